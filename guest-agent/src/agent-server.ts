@@ -1,0 +1,115 @@
+import type { Duplex } from 'node:stream';
+import { Connection, type Handlers } from './protocol/connection.ts';
+import { HutchError } from './protocol/errors.ts';
+import type { Capabilities } from './protocol/messages.ts';
+import type { Logger } from './log.ts';
+import { ExecService, type ExecConfig } from './process/exec-handler.ts';
+import { Workspace } from './workspace/confine.ts';
+import { FileTools } from './workspace/file-tools.ts';
+import { WorkspaceSync } from './workspace/sync.ts';
+
+export interface AgentOptions {
+  /** Workspace root on this machine (/work in the guest). */
+  root: string;
+  mountPoint?: string;
+  exec: ExecConfig;
+  /** Owner of files the agent creates in the workspace (the tenant user). */
+  owner?: { uid: number; gid: number } | undefined;
+  caps?: Capabilities;
+  maxFrameBytes?: number;
+  windowBytes?: number;
+  log: Logger;
+}
+
+/** The agent's services, shared by every connection it accepts. */
+export class Agent {
+  readonly ws: Workspace;
+  readonly files: FileTools;
+  readonly sync: WorkspaceSync;
+  readonly execs: ExecService;
+  private readonly startedAt = Date.now();
+
+  constructor(private readonly opts: AgentOptions) {
+    this.ws = new Workspace(opts.root, opts.mountPoint);
+    this.files = new FileTools(this.ws, opts.owner ? { owner: opts.owner } : {});
+    this.sync = new WorkspaceSync(this.ws, { owner: opts.owner });
+    this.execs = new ExecService(this.ws, opts.exec);
+  }
+
+  handlers(): Handlers {
+    const f = this.files;
+    return {
+      ping: async () => ({ now: Date.now(), uptimeMs: Date.now() - this.startedAt }),
+      exec: this.execs.exec,
+      'exec.signal': this.execs.signal,
+      'fs.read': (p) => f.read(p),
+      'fs.write': (p) => f.write(p),
+      'fs.edit': (p) => f.edit(p),
+      'fs.glob': (p) => f.glob(p),
+      'fs.grep': (p) => f.grep(p),
+      'fs.list': (p) => f.list(p),
+      'fs.stat': (p) => f.stat(p),
+      'fs.mkdir': (p) => f.mkdir(p),
+      'fs.remove': (p) => f.remove(p),
+      'fs.move': (p) => f.move(p),
+      'sync.apply': (p, ctx) =>
+        this.sync.apply(p.changes, (c) => {
+          if (c.data) return c.data;
+          if (c.stream !== undefined) return ctx.inbound(c.stream);
+          return new Uint8Array(0);
+        }),
+      'sync.mark': () => this.sync.mark(),
+      'sync.changes': (p, ctx) => {
+        // Inline content must leave room in the response frame for the entries themselves.
+        const frame = ctx.connection.peer?.maxFrame ?? 1024 * 1024;
+        return this.sync.changes(p.since, { maxBytes: p.inlineMaxBytes ?? 64 * 1024, budgetBytes: Math.floor(frame / 2) });
+      },
+      'sync.read': async (p, ctx) => {
+        const out = ctx.outbound(p.stream);
+        const f = await this.sync.openFile(p.path);
+        let bytes = 0;
+        try {
+          for await (const c of f.stream) {
+            bytes += c.length;
+            await out.write(c);
+          }
+        } finally {
+          await f.close();
+        }
+        out.end();
+        await out.flushed();
+        return { bytes };
+      },
+      'debug.echo': async (p, ctx) => {
+        const input = ctx.inbound(p.input);
+        const output = ctx.outbound(p.output);
+        let bytes = 0;
+        for await (const c of input) {
+          bytes += c.length;
+          await output.write(c);
+        }
+        output.end();
+        await output.flushed();
+        return { bytes };
+      },
+    };
+  }
+
+  /** Serves one connection (a Unix socket client, or the broker on a virtio-serial port). */
+  serve(socket: Duplex): Connection {
+    const conn = new Connection(socket, {
+      role: 'agent',
+      handlers: this.handlers(),
+      caps: { ...this.opts.caps, pid: process.pid, mountPoint: this.ws.mountPoint },
+      ...(this.opts.maxFrameBytes !== undefined ? { maxFrameBytes: this.opts.maxFrameBytes } : {}),
+      ...(this.opts.windowBytes !== undefined ? { windowBytes: this.opts.windowBytes } : {}),
+      log: this.opts.log,
+    });
+    conn.on('ready', () => {
+      this.opts.log.info('agent.connection_ready');
+      conn.emitEvent('ready', { pid: process.pid });
+    });
+    conn.on('close', (err: HutchError) => this.opts.log.info('agent.connection_closed', { reason: err.message }));
+    return conn;
+  }
+}

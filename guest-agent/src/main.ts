@@ -1,0 +1,121 @@
+#!/usr/bin/env node
+import { parseArgs } from 'node:util';
+import { userInfo } from 'node:os';
+import { Agent } from './agent-server.ts';
+import { findVirtioPort, listenUnix, listenVsock, openVirtioPort, parseListenSpec, type Listener, type ListenSpec } from './listen.ts';
+import { createLogger, parseLogLevel } from './log.ts';
+import { HutchError } from './protocol/errors.ts';
+import { PROTOCOL_VERSION } from './protocol/version.ts';
+
+const HELP = `hutch-agent: serves exec, file tools and workspace sync to the hutch broker
+
+usage: hutch-agent --listen SPEC [--listen SPEC ...] [options]
+
+  --listen SPEC       unix:PATH | vport:NAME | vsock:PORT (repeatable)
+  --root DIR          workspace root (default /work)
+  --mount-point DIR   where tenants see the workspace (default /work)
+  --run-as UID:GID    identity for tenant commands and created files (default: the agent's own)
+  --timeout-ms N      default exec timeout (default 600000)
+  --max-output N      default bytes kept per output stream (default 16777216)
+  --kill-on-exit      kill what a command leaves running when it exits (use when the agent
+                      runs on a host rather than in a VM)
+  --log-level L       debug | info | warn | error (default info; env HUTCH_LOG_LEVEL)
+  -h, --help          this text
+
+protocol v${PROTOCOL_VERSION}`;
+
+async function main(): Promise<void> {
+  const { values } = parseArgs({
+    options: {
+      listen: { type: 'string', multiple: true },
+      root: { type: 'string', default: '/work' },
+      'mount-point': { type: 'string', default: '/work' },
+      'run-as': { type: 'string' },
+      'timeout-ms': { type: 'string', default: '600000' },
+      'max-output': { type: 'string', default: String(16 * 1024 * 1024) },
+      'log-level': { type: 'string' },
+      'kill-on-exit': { type: 'boolean', default: false },
+      help: { type: 'boolean', short: 'h' },
+    },
+  });
+  if (values.help) {
+    process.stdout.write(HELP + '\n');
+    return;
+  }
+  const log = createLogger({ name: 'hutch-agent', level: parseLogLevel(values['log-level'] ?? process.env['HUTCH_LOG_LEVEL']) });
+  const specs = (values.listen ?? []).map(parseListenSpec);
+  if (specs.length === 0) throw new HutchError('bad_request', 'at least one --listen is required (see --help)');
+
+  let uid: number | undefined;
+  let gid: number | undefined;
+  if (values['run-as']) {
+    const m = /^(\d+):(\d+)$/.exec(values['run-as']);
+    if (!m) throw new HutchError('bad_request', `--run-as expects UID:GID, got ${values['run-as']}`);
+    uid = Number(m[1]);
+    gid = Number(m[2]);
+  }
+  const home = uid === undefined ? userInfo().homedir : uid === 0 ? '/root' : '/home/tenant';
+  const agent = new Agent({
+    root: values.root,
+    mountPoint: values['mount-point'],
+    owner: uid !== undefined && gid !== undefined ? { uid, gid } : undefined,
+    exec: {
+      baseEnv: {
+        PATH: '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin',
+        HOME: home,
+        LANG: 'C.UTF-8',
+        TERM: 'dumb',
+      },
+      uid,
+      gid,
+      defaultTimeoutMs: Number(values['timeout-ms']),
+      defaultMaxOutputBytes: Number(values['max-output']),
+      killGroupOnExit: values['kill-on-exit'],
+    },
+    log,
+  });
+
+  const listeners: Listener[] = [];
+  for (const spec of specs) listeners.push(await listen(agent, spec, log));
+  log.info('agent.listening', { listen: values.listen, root: agent.ws.root, pid: process.pid });
+
+  const stop = async (sig: string) => {
+    log.info('agent.stopping', { signal: sig });
+    await Promise.all(listeners.map((l) => l.close()));
+    process.exit(0);
+  };
+  process.once('SIGTERM', () => void stop('SIGTERM'));
+  process.once('SIGINT', () => void stop('SIGINT'));
+}
+
+async function listen(agent: Agent, spec: ListenSpec, log: ReturnType<typeof createLogger>): Promise<Listener> {
+  switch (spec.kind) {
+    case 'unix':
+      return listenUnix(spec.path, (s) => agent.serve(s));
+    case 'vsock':
+      return listenVsock(spec.port, `/run/hutch-agent-vsock-${spec.port}.sock`, (s) => agent.serve(s), log);
+    case 'vport': {
+      // One broker per port; when it goes away (host side closed), reopen and wait for the next.
+      let stopped = false;
+      const loop = async () => {
+        while (!stopped) {
+          const dev = findVirtioPort(spec.name);
+          const conn = agent.serve(await openVirtioPort(dev));
+          await conn.closed;
+          await new Promise((r) => setTimeout(r, 50));
+        }
+      };
+      void loop().catch((err: unknown) => {
+        log.error('agent.vport_failed', { error: (err as Error).message });
+        process.exit(1);
+      });
+      return { close: async () => void (stopped = true) };
+    }
+  }
+}
+
+main().catch((err: unknown) => {
+  const e = err instanceof HutchError ? err : new HutchError('internal', (err as Error).message);
+  process.stderr.write(JSON.stringify({ level: 'error', name: 'hutch-agent', msg: 'agent.fatal', code: e.code, error: e.message }) + '\n');
+  process.exit(2);
+});

@@ -1,0 +1,241 @@
+import { z } from 'zod';
+
+/**
+ * RPC methods and pushed events of the agent protocol: the single definition both the
+ * guest agent (server) and the broker's agent client use. The agent validates params,
+ * the client validates results, so a bug on either side shows up as a typed error at the
+ * boundary rather than as a confused caller.
+ */
+
+const noNul = (s: string) => !s.includes('\0');
+/** A workspace path: relative to the workspace root, or absolute under its mount point (/work). */
+export const WsPath = z.string().min(1).max(4096).refine(noNul, 'path contains a NUL byte');
+const OptionalWsPath = WsPath.optional();
+const streamId = z.number().int().positive().max(0xffffffff);
+/** Binary data; typed as a plain Uint8Array so Buffers (which msgpack decodes to) fit. */
+const bytes = z.custom<Uint8Array>((v) => v instanceof Uint8Array, 'expected binary data');
+const mode = z.number().int().min(0).max(0o7777);
+const limit = (max: number) => z.number().int().positive().max(max);
+
+export const SIGNALS = ['SIGINT', 'SIGTERM', 'SIGKILL', 'SIGHUP', 'SIGQUIT', 'SIGUSR1', 'SIGUSR2', 'SIGSTOP', 'SIGCONT'] as const;
+export const SignalSchema = z.enum(SIGNALS);
+
+// ---------- exec ----------
+export const ExecParamsSchema = z
+  .object({
+    /** Run this argv directly, or */
+    argv: z.array(z.string().refine(noNul)).min(1).max(4096).optional(),
+    /** run this string with `bash -c`. */
+    command: z.string().min(1).max(1024 * 1024).refine(noNul).optional(),
+    cwd: OptionalWsPath,
+    env: z.record(z.string().min(1).max(256), z.string().max(64 * 1024)).optional(),
+    /** Stream carrying stdin; absent means stdin is empty (/dev/null-like EOF). */
+    stdin: streamId.optional(),
+    stdout: streamId,
+    stderr: streamId,
+    timeoutMs: z.number().int().positive().max(24 * 3600 * 1000).optional(),
+    /** Bytes of each of stdout/stderr forwarded; the rest is counted and dropped. */
+    maxOutputBytes: z.number().int().nonnegative().max(Number.MAX_SAFE_INTEGER).optional(),
+  })
+  .refine((p) => (p.argv === undefined) !== (p.command === undefined), 'exactly one of argv and command is required');
+export type ExecParams = z.infer<typeof ExecParamsSchema>;
+
+export const OutputSummarySchema = z.object({
+  /** Total bytes the process wrote. */
+  bytes: z.number().int().nonnegative(),
+  /** Bytes forwarded to the caller (at most maxOutputBytes). */
+  kept: z.number().int().nonnegative(),
+  truncated: z.boolean(),
+});
+export const ExecResultSchema = z.object({
+  exitCode: z.number().int().nullable(),
+  signal: z.string().nullable(),
+  timedOut: z.boolean(),
+  cancelled: z.boolean(),
+  durationMs: z.number().nonnegative(),
+  stdout: OutputSummarySchema,
+  stderr: OutputSummarySchema,
+});
+export type ExecResult = z.infer<typeof ExecResultSchema>;
+
+// ---------- file tools (opencode semantics) ----------
+export const ReadParamsSchema = z.object({
+  path: WsPath,
+  /** 0-based index of the first line. */
+  offset: z.number().int().nonnegative().optional(),
+  /** Number of lines; default 2000. */
+  limit: limit(1_000_000).optional(),
+  /** Prefix lines with their 1-based number as opencode does (`00012| text`); default true. */
+  numbered: z.boolean().optional(),
+});
+export const ReadResultSchema = z.object({
+  path: z.string(),
+  content: z.string(),
+  offset: z.number().int(),
+  lines: z.number().int(),
+  totalLines: z.number().int(),
+  /** Lines longer than the per-line cap were cut. */
+  longLinesCut: z.number().int(),
+  hasMore: z.boolean(),
+});
+
+export const WriteParamsSchema = z.object({
+  path: WsPath,
+  content: z.union([z.string(), bytes]),
+  mode: mode.optional(),
+});
+export const WriteResultSchema = z.object({ path: z.string(), bytes: z.number().int(), created: z.boolean() });
+
+export const EditParamsSchema = z.object({
+  path: WsPath,
+  oldString: z.string(),
+  newString: z.string(),
+  replaceAll: z.boolean().optional(),
+});
+export const EditResultSchema = z.object({ path: z.string(), replacements: z.number().int(), bytes: z.number().int() });
+
+export const GlobParamsSchema = z.object({ pattern: z.string().min(1).max(4096), path: OptionalWsPath, limit: limit(100_000).optional() });
+export const GlobResultSchema = z.object({ files: z.array(z.string()), truncated: z.boolean() });
+
+export const GrepParamsSchema = z.object({
+  pattern: z.string().min(1).max(64 * 1024),
+  path: OptionalWsPath,
+  include: z.string().min(1).max(4096).optional(),
+  ignoreCase: z.boolean().optional(),
+  limit: limit(100_000).optional(),
+});
+export const GrepMatchSchema = z.object({ path: z.string(), line: z.number().int(), text: z.string() });
+export const GrepResultSchema = z.object({ matches: z.array(GrepMatchSchema), truncated: z.boolean(), filesSearched: z.number().int() });
+
+export const EntryTypeSchema = z.enum(['file', 'dir', 'symlink', 'other']);
+export const ListParamsSchema = z.object({
+  path: OptionalWsPath,
+  ignore: z.array(z.string().max(4096)).max(256).optional(),
+  limit: limit(100_000).optional(),
+});
+export const ListResultSchema = z.object({
+  path: z.string(),
+  entries: z.array(z.object({ path: z.string(), type: EntryTypeSchema })),
+  truncated: z.boolean(),
+});
+
+export const StatParamsSchema = z.object({ path: WsPath });
+export const StatResultSchema = z.object({
+  path: z.string(),
+  type: EntryTypeSchema,
+  size: z.number(),
+  mode: z.number().int(),
+  mtimeMs: z.number(),
+  /** For a symlink: its target as stored (never followed). */
+  target: z.string().optional(),
+});
+
+export const MkdirParamsSchema = z.object({ path: WsPath, parents: z.boolean().optional() });
+export const MkdirResultSchema = z.object({ path: z.string(), created: z.boolean() });
+export const RemoveParamsSchema = z.object({ path: WsPath, recursive: z.boolean().optional() });
+export const RemoveResultSchema = z.object({ path: z.string(), removed: z.boolean() });
+export const MoveParamsSchema = z.object({ from: WsPath, to: WsPath, overwrite: z.boolean().optional() });
+export const MoveResultSchema = z.object({ from: z.string(), to: z.string() });
+
+// ---------- workspace sync ----------
+/** One change of a batch; `path` is workspace-relative. Each file lands atomically. */
+export const SyncChangeSchema = z.discriminatedUnion('op', [
+  z.object({
+    op: z.literal('write'),
+    path: WsPath,
+    mode,
+    mtimeMs: z.number().optional(),
+    /** Inline content, or */
+    data: bytes.optional(),
+    /** a stream (listed in the request's streams) carrying it, for files above the frame size. */
+    stream: streamId.optional(),
+  }),
+  z.object({ op: z.literal('mkdir'), path: WsPath, mode }),
+  z.object({ op: z.literal('symlink'), path: WsPath, target: z.string().min(1).max(4096).refine(noNul) }),
+  z.object({ op: z.literal('delete'), path: WsPath }),
+  z.object({ op: z.literal('chmod'), path: WsPath, mode }),
+]);
+export type SyncChange = z.infer<typeof SyncChangeSchema>;
+export const SyncApplyParamsSchema = z.object({ changes: z.array(SyncChangeSchema).max(100_000) });
+export const SyncApplyResultSchema = z.object({
+  applied: z.number().int(),
+  failed: z.array(z.object({ index: z.number().int(), path: z.string(), code: z.string(), message: z.string() })),
+});
+
+export const SyncMarkParamsSchema = z.object({});
+export const SyncMarkResultSchema = z.object({ marker: z.string(), entries: z.number().int() });
+
+/** What changed since a marker; small files come inline, larger ones are fetched with sync.read. */
+export const SyncEntrySchema = z.object({
+  path: z.string(),
+  kind: z.enum(['file', 'dir', 'symlink', 'deleted']),
+  mode: z.number().int().optional(),
+  size: z.number().int().optional(),
+  mtimeMs: z.number().optional(),
+  target: z.string().optional(),
+  data: bytes.optional(),
+});
+export type SyncEntry = z.infer<typeof SyncEntrySchema>;
+export const SyncChangesParamsSchema = z.object({
+  since: z.string().min(1).max(64),
+  inlineMaxBytes: z.number().int().nonnegative().max(16 * 1024 * 1024).optional(),
+});
+export const SyncChangesResultSchema = z.object({
+  marker: z.string(),
+  changes: z.array(SyncEntrySchema),
+  /** Entries that exist but cannot be synced (sockets, fifos, devices, files above the size limit). */
+  skipped: z.array(z.object({ path: z.string(), reason: z.string() })),
+});
+export const SyncReadParamsSchema = z.object({ path: WsPath, stream: streamId });
+export const SyncReadResultSchema = z.object({ bytes: z.number().int() });
+
+// ---------- misc ----------
+export const PingParamsSchema = z.object({}).passthrough();
+export const PingResultSchema = z.object({ now: z.number(), uptimeMs: z.number() });
+export const ExecSignalParamsSchema = z.object({ call: z.number().int().nonnegative(), signal: SignalSchema });
+export const ExecSignalResultSchema = z.object({ delivered: z.boolean() });
+export const DebugEchoParamsSchema = z.object({ input: streamId, output: streamId });
+export const DebugEchoResultSchema = z.object({ bytes: z.number().int() });
+
+export const METHODS = {
+  ping: { params: PingParamsSchema, result: PingResultSchema },
+  exec: { params: ExecParamsSchema, result: ExecResultSchema },
+  'exec.signal': { params: ExecSignalParamsSchema, result: ExecSignalResultSchema },
+  'fs.read': { params: ReadParamsSchema, result: ReadResultSchema },
+  'fs.write': { params: WriteParamsSchema, result: WriteResultSchema },
+  'fs.edit': { params: EditParamsSchema, result: EditResultSchema },
+  'fs.glob': { params: GlobParamsSchema, result: GlobResultSchema },
+  'fs.grep': { params: GrepParamsSchema, result: GrepResultSchema },
+  'fs.list': { params: ListParamsSchema, result: ListResultSchema },
+  'fs.stat': { params: StatParamsSchema, result: StatResultSchema },
+  'fs.mkdir': { params: MkdirParamsSchema, result: MkdirResultSchema },
+  'fs.remove': { params: RemoveParamsSchema, result: RemoveResultSchema },
+  'fs.move': { params: MoveParamsSchema, result: MoveResultSchema },
+  'sync.apply': { params: SyncApplyParamsSchema, result: SyncApplyResultSchema },
+  'sync.mark': { params: SyncMarkParamsSchema, result: SyncMarkResultSchema },
+  'sync.changes': { params: SyncChangesParamsSchema, result: SyncChangesResultSchema },
+  'sync.read': { params: SyncReadParamsSchema, result: SyncReadResultSchema },
+  /** Copies one inbound stream to one outbound stream: protocol tests and the throughput bench. */
+  'debug.echo': { params: DebugEchoParamsSchema, result: DebugEchoResultSchema },
+} as const;
+
+export type MethodName = keyof typeof METHODS;
+export type ParamsOf<M extends MethodName> = z.input<(typeof METHODS)[M]['params']>;
+export type ResultOf<M extends MethodName> = z.output<(typeof METHODS)[M]['result']>;
+
+export function isMethodName(m: string): m is MethodName {
+  return Object.prototype.hasOwnProperty.call(METHODS, m);
+}
+
+/** Events the agent pushes without being asked. */
+export const EVENTS = {
+  /** A structured log line from the agent, forwarded so guest problems show up in broker logs. */
+  log: z.object({ level: z.enum(['debug', 'info', 'warn', 'error']), msg: z.string(), fields: z.record(z.string(), z.unknown()).optional() }),
+  /** The agent finished starting (or resumed after a restore) and serves calls. */
+  ready: z.object({ pid: z.number().int(), bootMs: z.number().optional() }),
+} as const;
+export type EventName = keyof typeof EVENTS;
+export type EventData<E extends EventName> = z.infer<(typeof EVENTS)[E]>;
+export function isEventName(n: string): n is EventName {
+  return Object.prototype.hasOwnProperty.call(EVENTS, n);
+}

@@ -1,0 +1,203 @@
+import { connect } from 'node:net';
+import type { Duplex } from 'node:stream';
+import { Connection, type RequestOptions } from '../../guest-agent/src/protocol/connection.ts';
+import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
+import type { Hello } from '../../guest-agent/src/protocol/messages.ts';
+import type { ExecResult, MethodName, ParamsOf, ResultOf, SyncChange, SignalSchema } from '../../guest-agent/src/protocol/methods.ts';
+import type { InboundStream } from '../../guest-agent/src/protocol/flow-control.ts';
+import { noopLogger, type Logger } from '../../guest-agent/src/log.ts';
+import type { z } from 'zod';
+
+export interface AgentClientOptions {
+  log?: Logger;
+  maxFrameBytes?: number;
+  windowBytes?: number;
+  handshakeTimeoutMs?: number;
+}
+
+export interface ExecRequest {
+  argv?: string[];
+  command?: string;
+  cwd?: string;
+  env?: Record<string, string>;
+  /** Bytes for stdin, or an iterable streamed with flow control. */
+  stdin?: Uint8Array | AsyncIterable<Uint8Array>;
+  timeoutMs?: number;
+  maxOutputBytes?: number;
+  onStdout?: (chunk: Uint8Array) => void | Promise<void>;
+  onStderr?: (chunk: Uint8Array) => void | Promise<void>;
+  signal?: AbortSignal;
+}
+
+export interface ExecHandle {
+  /** Request id, usable with signal(). */
+  readonly call: number;
+  readonly result: Promise<ExecResult>;
+  signal(sig: z.infer<typeof SignalSchema>): Promise<boolean>;
+}
+
+/** How long past its own timeout an exec may stay silent before the client gives up on the agent. */
+const EXEC_WATCHDOG_SLACK_MS = 30_000;
+
+/**
+ * The broker's client for any guest agent (a VM's virtio-serial port, a vsock, or a Unix
+ * socket of the local backend). Thin typed wrappers over one Connection.
+ */
+export class AgentClient {
+  readonly connection: Connection;
+
+  constructor(socket: Duplex, opts: AgentClientOptions = {}) {
+    this.connection = new Connection(socket, {
+      role: 'broker',
+      log: opts.log ?? noopLogger,
+      ...(opts.maxFrameBytes !== undefined ? { maxFrameBytes: opts.maxFrameBytes } : {}),
+      ...(opts.windowBytes !== undefined ? { windowBytes: opts.windowBytes } : {}),
+      ...(opts.handshakeTimeoutMs !== undefined ? { handshakeTimeoutMs: opts.handshakeTimeoutMs } : {}),
+    });
+  }
+
+  static async connectUnix(path: string, opts: AgentClientOptions = {}): Promise<AgentClient> {
+    const sock = connect(path);
+    await new Promise<void>((resolve, reject) => {
+      sock.once('connect', resolve);
+      sock.once('error', (e: NodeJS.ErrnoException) => reject(new HutchError('unavailable', `cannot connect to agent at ${path}: ${e.code ?? e.message}`, { path })));
+    });
+    const client = new AgentClient(sock, opts);
+    await client.ready();
+    return client;
+  }
+
+  ready(): Promise<Hello> {
+    return this.connection.ready;
+  }
+
+  get capabilities(): Record<string, unknown> {
+    return this.connection.peer?.caps ?? {};
+  }
+
+  call<M extends Exclude<MethodName, 'exec' | 'sync.read' | 'debug.echo'>>(method: M, params: ParamsOf<M>, opts?: RequestOptions): Promise<ResultOf<M>> {
+    return this.connection.request(method, params, opts);
+  }
+
+  exec(req: ExecRequest): ExecHandle {
+    const conn = this.connection;
+    const stdout = conn.openInbound();
+    const stderr = conn.openInbound();
+    const stdin = req.stdin !== undefined ? conn.openOutbound() : undefined;
+    const streams = [stdout.id, stderr.id, ...(stdin ? [stdin.id] : [])];
+    const params: ParamsOf<'exec'> = {
+      stdout: stdout.id,
+      stderr: stderr.id,
+      ...(req.argv ? { argv: req.argv } : {}),
+      ...(req.command !== undefined ? { command: req.command } : {}),
+      ...(req.cwd !== undefined ? { cwd: req.cwd } : {}),
+      ...(req.env ? { env: req.env } : {}),
+      ...(stdin ? { stdin: stdin.id } : {}),
+      ...(req.timeoutMs !== undefined ? { timeoutMs: req.timeoutMs } : {}),
+      ...(req.maxOutputBytes !== undefined ? { maxOutputBytes: req.maxOutputBytes } : {}),
+    };
+    const watchdog = req.timeoutMs !== undefined ? req.timeoutMs + EXEC_WATCHDOG_SLACK_MS : undefined;
+    const { id: call, result: response } = conn.begin('exec', params, {
+      streams,
+      ...(req.signal ? { signal: req.signal } : {}),
+      ...(watchdog !== undefined ? { timeoutMs: watchdog } : {}),
+    });
+    const drained = Promise.all([drain(stdout, req.onStdout), drain(stderr, req.onStderr)]);
+    drained.catch(() => undefined); // the response carries the failure; don't report it twice
+    if (stdin && req.stdin !== undefined) {
+      const src = req.stdin;
+      void (async () => {
+        try {
+          if (src instanceof Uint8Array) await stdin.write(src);
+          else for await (const c of src) await stdin.write(c);
+          stdin.end();
+        } catch (err) {
+          stdin.end(err instanceof HutchError ? err : new HutchError('internal', (err as Error).message));
+        }
+      })();
+    }
+    const result = (async () => {
+      try {
+        const r = await response;
+        await drained;
+        return r;
+      } catch (err) {
+        stdout.stop();
+        stderr.stop();
+        throw err;
+      }
+    })();
+    return {
+      call,
+      result,
+      signal: async (sig) => (await conn.request('exec.signal', { call, signal: sig })).delivered,
+    };
+  }
+
+  /** Runs a command and collects its output (up to the cap). */
+  async run(req: Omit<ExecRequest, 'onStdout' | 'onStderr'>): Promise<ExecResult & { stdoutText: string; stderrText: string }> {
+    const out: Uint8Array[] = [];
+    const err: Uint8Array[] = [];
+    const r = await this.exec({ ...req, onStdout: (c) => void out.push(c), onStderr: (c) => void err.push(c) }).result;
+    return { ...r, stdoutText: Buffer.concat(out).toString('utf8'), stderrText: Buffer.concat(err).toString('utf8') };
+  }
+
+  /** Applies a sync batch; large file contents go as streams, small ones inline. */
+  async syncApply(changes: Array<SyncChange | (Omit<Extract<SyncChange, { op: 'write' }>, 'data' | 'stream'> & { source: AsyncIterable<Uint8Array> })>): Promise<ResultOf<'sync.apply'>> {
+    const conn = this.connection;
+    const wire: SyncChange[] = [];
+    const feeds: Array<() => Promise<void>> = [];
+    const streams: number[] = [];
+    for (const c of changes) {
+      if ('source' in c) {
+        const out = conn.openOutbound();
+        streams.push(out.id);
+        const { source, ...rest } = c;
+        wire.push({ ...rest, stream: out.id });
+        feeds.push(async () => {
+          for await (const chunk of source) await out.write(chunk);
+          out.end();
+        });
+      } else wire.push(c);
+    }
+    if (streams.length > 16) throw new HutchError('bad_request', 'at most 16 streamed files per sync.apply batch');
+    const res = conn.request('sync.apply', { changes: wire }, { streams });
+    // Streams are fed in order because the agent applies changes in order.
+    const fed = (async () => {
+      for (const f of feeds) await f();
+    })();
+    const [r] = await Promise.all([res, fed]);
+    return r;
+  }
+
+  /** Streams a workspace file's content from the agent. */
+  async syncRead(path: string, sink: (chunk: Uint8Array) => void | Promise<void>): Promise<number> {
+    const s = this.connection.openInbound();
+    const res = this.connection.request('sync.read', { path, stream: s.id }, { streams: [s.id] });
+    const drained = drain(s, sink);
+    const [r] = await Promise.all([res, drained]);
+    return r.bytes;
+  }
+
+  /** Sends bytes through a stream to the agent and back (tests and the protocol bench). */
+  async echo(source: AsyncIterable<Uint8Array>, sink: (chunk: Uint8Array) => void | Promise<void>): Promise<number> {
+    const conn = this.connection;
+    const input = conn.openOutbound();
+    const output = conn.openInbound();
+    const res = conn.request('debug.echo', { input: input.id, output: output.id }, { streams: [input.id, output.id] });
+    const feed = (async () => {
+      for await (const c of source) await input.write(c);
+      input.end();
+    })();
+    const [r] = await Promise.all([res, feed, drain(output, sink)]);
+    return r.bytes;
+  }
+
+  close(): void {
+    this.connection.close();
+  }
+}
+
+async function drain(s: InboundStream, sink: ((c: Uint8Array) => void | Promise<void>) | undefined): Promise<void> {
+  for await (const c of s) if (sink) await sink(c);
+}

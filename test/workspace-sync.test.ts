@@ -1,0 +1,97 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { lstatSync, mkdirSync, readFileSync, readlinkSync, statSync, symlinkSync, unlinkSync, writeFileSync, existsSync } from 'node:fs';
+import { randomBytes, createHash } from 'node:crypto';
+import { join } from 'node:path';
+import { startAgent, type AgentProcess } from './helpers/agent-process.ts';
+
+const sha = (b: Uint8Array) => createHash('sha256').update(b).digest('hex');
+
+describe('workspace sync through the agent', () => {
+  let agent: AgentProcess;
+  beforeAll(async () => {
+    agent = await startAgent();
+  });
+  afterAll(async () => agent.stop());
+
+  it('applies a batch: writes (inline and streamed), dirs, symlinks stored verbatim, chmod, deletes', async () => {
+    const big = randomBytes(3 * 1024 * 1024 + 17);
+    writeFileSync(join(agent.root, 'doomed.txt'), 'bye');
+    const r = await agent.client.syncApply([
+      { op: 'mkdir', path: 'pkg', mode: 0o755 },
+      { op: 'write', path: 'pkg/a.py', mode: 0o644, data: Buffer.from('print(1)\n'), mtimeMs: 1_700_000_000_000 },
+      { op: 'write', path: 'pkg/deep/b.bin', mode: 0o600, source: (async function* () { for (let o = 0; o < big.length; o += 65536) yield big.subarray(o, o + 65536); })() },
+      { op: 'symlink', path: 'to-shadow', target: '/etc/shadow' },
+      { op: 'symlink', path: 'pkg/rel', target: 'a.py' },
+      { op: 'write', path: 'run.sh', mode: 0o644, data: Buffer.from('#!/bin/sh\n') },
+      { op: 'chmod', path: 'run.sh', mode: 0o755 },
+      { op: 'delete', path: 'doomed.txt' },
+      { op: 'delete', path: 'never-existed' },
+    ]);
+    expect(r.failed).toEqual([]);
+    expect(r.applied).toBe(9);
+    expect(readFileSync(join(agent.root, 'pkg/a.py'), 'utf8')).toBe('print(1)\n');
+    expect(statSync(join(agent.root, 'pkg/a.py')).mtimeMs).toBe(1_700_000_000_000);
+    expect(sha(readFileSync(join(agent.root, 'pkg/deep/b.bin')))).toBe(sha(big));
+    expect(statSync(join(agent.root, 'pkg/deep/b.bin')).mode & 0o777).toBe(0o600);
+    expect(readlinkSync(join(agent.root, 'to-shadow'))).toBe('/etc/shadow');
+    expect(statSync(join(agent.root, 'run.sh')).mode & 0o777).toBe(0o755);
+    expect(existsSync(join(agent.root, 'doomed.txt'))).toBe(false);
+  });
+
+  it('never writes through a symlink planted in the workspace', async () => {
+    const outside = join(agent.dir, 'outside');
+    mkdirSync(outside);
+    symlinkSync(outside, join(agent.root, 'trap'));
+    writeFileSync(join(agent.dir, 'victim.txt'), 'safe');
+    symlinkSync(join(agent.dir, 'victim.txt'), join(agent.root, 'victim-link'));
+    const r = await agent.client.syncApply([
+      { op: 'write', path: 'trap/evil.txt', mode: 0o644, data: Buffer.from('evil') },
+      { op: 'write', path: 'victim-link', mode: 0o644, data: Buffer.from('overwritten?') },
+      { op: 'delete', path: 'trap' },
+      { op: 'write', path: '../escape.txt', mode: 0o644, data: Buffer.from('x') },
+    ]);
+    expect(r.failed.map((f) => [f.index, f.code])).toEqual([[0, 'outside_workspace'], [3, 'outside_workspace']]);
+    // The link itself was replaced by a file; its old target is untouched.
+    expect(readFileSync(join(agent.dir, 'victim.txt'), 'utf8')).toBe('safe');
+    expect(lstatSync(join(agent.root, 'victim-link')).isFile()).toBe(true);
+    expect(existsSync(join(outside, 'evil.txt'))).toBe(false);
+    expect(existsSync(outside)).toBe(true); // deleting the link removed the link only
+    expect(existsSync(join(agent.dir, 'escape.txt'))).toBe(false);
+  });
+
+  it('reports changes since a marker: new, modified, deleted, type changes, with small content inline', async () => {
+    const { marker } = await agent.client.call('sync.mark', {});
+    const run = await agent.client.run({
+      command: 'echo new > created.txt && echo more >> pkg/a.py && rm -r pkg/deep && mkdir -p out/x && echo r > out/x/r.txt && ln -s created.txt lnk && head -c 200000 /dev/urandom > out/big.bin && rm run.sh && mkdir run.sh',
+    });
+    expect(run.exitCode).toBe(0);
+    const ch = await agent.client.call('sync.changes', { since: marker, inlineMaxBytes: 1024 });
+    const byPath = new Map(ch.changes.map((c) => [c.path, c]));
+    expect(byPath.get('created.txt')).toMatchObject({ kind: 'file', size: 4 });
+    expect(Buffer.from(byPath.get('created.txt')?.data ?? []).toString()).toBe('new\n');
+    expect(byPath.get('pkg/a.py')?.kind).toBe('file');
+    expect(byPath.get('pkg/deep')?.kind).toBe('deleted');
+    expect(byPath.has('pkg/deep/b.bin')).toBe(false); // implied by its directory
+    expect(byPath.get('lnk')).toMatchObject({ kind: 'symlink', target: 'created.txt' });
+    expect(byPath.get('out/big.bin')?.data).toBeUndefined(); // above inlineMaxBytes: fetch with sync.read
+    expect(byPath.get('run.sh')?.kind).toBe('dir');
+    // Deletions come first, then parents before children.
+    const order = ch.changes.map((c) => c.path);
+    expect(order.indexOf('pkg/deep')).toBeLessThan(order.indexOf('created.txt'));
+    expect(order.indexOf('out')).toBeLessThan(order.indexOf('out/x/r.txt'));
+    // A fresh marker: no changes now.
+    const again = await agent.client.call('sync.changes', { since: ch.marker });
+    expect(again.changes).toEqual([]);
+
+    const parts: Uint8Array[] = [];
+    const bytes = await agent.client.syncRead('out/big.bin', (c) => void parts.push(c));
+    expect(bytes).toBe(200_000);
+    expect(sha(Buffer.concat(parts))).toBe(sha(readFileSync(join(agent.root, 'out/big.bin'))));
+  });
+
+  it('refuses an unknown marker and reading a symlink as content', async () => {
+    await expect(agent.client.call('sync.changes', { since: 'nope' })).rejects.toMatchObject({ code: 'not_found' });
+    await expect(agent.client.syncRead('lnk', () => undefined)).rejects.toMatchObject({ code: 'bad_request' });
+    unlinkSync(join(agent.root, 'lnk'));
+  });
+});
