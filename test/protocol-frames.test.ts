@@ -227,3 +227,38 @@ describe('bad frames against the real agent process', () => {
   });
 });
 
+
+describe('device channel mode (virtio-serial semantics)', () => {
+  it('waits for the broker to speak first and accepts a new hello as a new session', async () => {
+    const { createServer } = await import('node:net');
+    const { mkdtempSync, mkdirSync } = await import('node:fs');
+    const { join } = await import('node:path');
+    const { tmpdir } = await import('node:os');
+    const { Agent } = await import('../guest-agent/src/agent-server.ts');
+    const { noopLogger } = await import('../guest-agent/src/log.ts');
+    const dir = mkdtempSync(join(tmpdir(), 'hutch-chan-'));
+    mkdirSync(join(dir, 'w'));
+    const agent = new Agent({ root: join(dir, 'w'), exec: { baseEnv: {}, defaultTimeoutMs: 10_000, defaultMaxOutputBytes: 1 << 20 }, log: noopLogger });
+    const srv = createServer((s) => agent.serve(s, { channel: true }));
+    const path = join(dir, 'chan.sock');
+    await new Promise<void>((r) => srv.listen(path, () => r()));
+    const peer = await RawPeer.open(path);
+    await new Promise((r) => setTimeout(r, 200));
+    expect(peer.received).toEqual([]); // silent until spoken to
+    peer.hello();
+    await peer.waitFor((m) => m['t'] === 'hello');
+    // A long call in flight, then a new broker says hello on the same channel.
+    peer.frame({ t: 'req', id: 1, m: 'exec', p: { command: 'sleep 30', stdout: 1, stderr: 3 }, s: [1, 3] });
+    await new Promise((r) => setTimeout(r, 200));
+    peer.received.length = 0;
+    peer.hello();
+    await peer.waitFor((m) => m['t'] === 'hello');
+    peer.frame({ t: 'req', id: 1, m: 'ping', p: {} });
+    const pong = await peer.waitFor((m) => m['t'] === 'res' && m['id'] === 1);
+    expect(pong['r']).toHaveProperty('uptimeMs'); // the answer is the ping's, not the old exec's
+    await new Promise((r) => setTimeout(r, 300));
+    expect(peer.received.filter((m) => (m as { t: string }).t === 'res')).toHaveLength(1);
+    peer.sock.destroy();
+    srv.close();
+  });
+});

@@ -7,6 +7,8 @@ import { ExecService, type ExecConfig } from './process/exec-handler.ts';
 import { Workspace } from './workspace/confine.ts';
 import { FileTools } from './workspace/file-tools.ts';
 import { WorkspaceSync } from './workspace/sync.ts';
+import { resumeAfterRestore } from './resume.ts';
+import { guestState } from './guest-state.ts';
 
 export interface AgentOptions {
   /** Workspace root on this machine (/work in the guest). */
@@ -18,6 +20,12 @@ export interface AgentOptions {
   caps?: Capabilities;
   maxFrameBytes?: number;
   windowBytes?: number;
+  /** The agent owns its machine (runs in a VM): it may set the clock after a restore. */
+  ownsMachine?: boolean;
+  /** The overlay's upper directory: writes outside /work and /tmp land there. */
+  overlayUpper?: string | undefined;
+  /** cgroup v2 directory tenant commands run in. */
+  workloadCgroup?: string | undefined;
   log: Logger;
 }
 
@@ -33,7 +41,7 @@ export class Agent {
     this.ws = new Workspace(opts.root, opts.mountPoint);
     this.files = new FileTools(this.ws, opts.owner ? { owner: opts.owner } : {});
     this.sync = new WorkspaceSync(this.ws, { owner: opts.owner });
-    this.execs = new ExecService(this.ws, opts.exec);
+    this.execs = new ExecService(this.ws, { ...opts.exec, ...(opts.workloadCgroup ? { cgroup: opts.workloadCgroup } : {}) });
   }
 
   handlers(): Handlers {
@@ -80,6 +88,8 @@ export class Agent {
         await out.flushed();
         return { bytes };
       },
+      'agent.resume': (p) => resumeAfterRestore(p, this.opts.ownsMachine ?? false),
+      'agent.state': (p) => guestState({ overlayUpper: this.opts.overlayUpper, workloadCgroup: this.opts.workloadCgroup, maxPaths: p.maxPaths ?? 50 }),
       'debug.echo': async (p, ctx) => {
         const input = ctx.inbound(p.input);
         const output = ctx.outbound(p.output);
@@ -95,9 +105,14 @@ export class Agent {
     };
   }
 
-  /** Serves one connection (a Unix socket client, or the broker on a virtio-serial port). */
-  serve(socket: Duplex): Connection {
+  /**
+   * Serves one connection (a Unix socket client, or the broker on a virtio-serial port).
+   * `channel: true` is for a long-lived device channel: the broker speaks first and may
+   * start over with a new hello (after a snapshot restore it is a different broker process).
+   */
+  serve(socket: Duplex, opts: { channel?: boolean } = {}): Connection {
     const conn = new Connection(socket, {
+      ...(opts.channel ? { awaitPeerHello: true, allowRehello: true } : {}),
       role: 'agent',
       handlers: this.handlers(),
       caps: { ...this.opts.caps, pid: process.pid, mountPoint: this.ws.mountPoint },

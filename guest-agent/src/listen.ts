@@ -1,6 +1,6 @@
-import { createServer, type Server } from 'node:net';
+import { createServer, Socket, type Server } from 'node:net';
 import { spawn } from 'node:child_process';
-import { chmodSync, promises as fsp, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { chmodSync, closeSync, open as fsOpen, read as fsRead, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { Duplex } from 'node:stream';
 import { HutchError } from './protocol/errors.ts';
 import type { Logger } from './log.ts';
@@ -67,39 +67,85 @@ export function findVirtioPort(name: string, sysDir = '/sys/class/virtio-ports')
 }
 
 /**
- * A virtio-serial port as a duplex. Node's net.Socket refuses character devices, so reads
- * go through a FileHandle stream (one threadpool thread blocked in read(2)) and writes
- * through the same handle.
+ * A virtio-serial port as a duplex, once a host (the broker) is attached to it.
+ *
+ * How a port behaves (drivers/char/virtio_console.c), and so why this is shaped as it is:
+ *  - only one open at a time: open() fails with EBUSY until the previous file is released,
+ *    and a file is only released when no read()/write() is still blocked on it;
+ *  - while no host is attached, read() returns 0 at once (it looks like end-of-file) and a
+ *    blocking write() waits until a host attaches; poll() then reports POLLHUP;
+ *  - when the host detaches, a blocked read() returns 0.
+ * Reading a blocking fd on the threadpool therefore saw "end of file" as soon as the agent
+ * started if no broker was attached yet (the agent then reopened, got EBUSY because nothing
+ * had closed the fd, and exited), and a write issued after the host left stayed blocked,
+ * pinning the file (EBUSY again) and later delivering stale bytes to the next broker.
+ *
+ * So: wait for the host's first bytes with a blocking read, retried with a short backoff
+ * while read() says nobody is attached (the broker speaks first: its hello); then hand the
+ * fd to libuv as a stream. Node's net.Socket refuses character devices, so the Pipe handle
+ * is created directly (uv_pipe_open takes any pollable fd): reads and writes are then
+ * non-blocking and epoll-driven (no threadpool thread parked per port), the host detaching
+ * is an ordinary EOF, and closing the socket cancels queued writes and closes the fd at once,
+ * so the next open succeeds.
  */
 export async function openVirtioPort(device: string): Promise<Duplex> {
-  const fh = await fsp.open(device, 'r+');
-  const readable = fh.createReadStream({ highWaterMark: 256 * 1024, autoClose: false });
-  let writing: Promise<unknown> = Promise.resolve();
-  const duplex = new Duplex({
-    read() {
-      readable.resume();
-    },
-    write(chunk: Buffer, _enc, cb) {
-      writing = writing.then(() => fh.write(chunk)).then(
-        () => cb(),
-        (err: Error) => cb(err),
-      );
-    },
-    final(cb) {
-      cb();
-    },
-    destroy(err, cb) {
-      readable.destroy();
-      void fh.close().catch(() => undefined);
-      cb(err);
-    },
-  });
-  readable.on('data', (c) => {
-    if (!duplex.push(c)) readable.pause();
-  });
-  readable.on('end', () => duplex.push(null));
-  readable.on('error', (e) => duplex.destroy(e));
-  return duplex;
+  const fd = await openPortExclusive(device);
+  let first: Buffer;
+  try {
+    first = await awaitHostBytes(fd);
+  } catch (err) {
+    closeSync(fd);
+    throw err;
+  }
+  let sock: Socket;
+  try {
+    sock = socketOnFd(fd);
+  } catch (err) {
+    closeSync(fd);
+    throw new HutchError('internal', `cannot stream ${device}: ${(err as Error).message}`, { device });
+  }
+  sock.unshift(first);
+  return sock;
+}
+
+/** open(O_RDWR), retrying EBUSY for a while: the previous connection's file may still be closing. */
+async function openPortExclusive(device: string, giveUpMs = 10_000): Promise<number> {
+  const started = Date.now();
+  for (let delay = 10; ; delay = Math.min(delay * 2, 500)) {
+    try {
+      return await new Promise<number>((resolve, reject) => fsOpen(device, 'r+', (err, fd) => (err ? reject(err) : resolve(fd))));
+    } catch (err) {
+      const code = (err as NodeJS.ErrnoException).code;
+      if (code !== 'EBUSY' || Date.now() - started > giveUpMs) {
+        throw new HutchError(code === 'ENOENT' ? 'not_found' : 'unavailable', `cannot open ${device}: ${(err as Error).message}`, { device });
+      }
+      await new Promise((r) => setTimeout(r, delay));
+    }
+  }
+}
+
+/** Blocks (on the threadpool) until the host sends something; read() == 0 means no host yet. */
+async function awaitHostBytes(fd: number): Promise<Buffer> {
+  const buf = Buffer.allocUnsafe(64 * 1024);
+  for (let delay = 5; ; delay = Math.min(delay * 2, 100)) {
+    const n = await new Promise<number>((resolve, reject) => fsRead(fd, buf, 0, buf.length, null, (err, bytes) => (err ? reject(err) : resolve(bytes))));
+    if (n > 0) return Buffer.from(buf.subarray(0, n));
+    await new Promise((r) => setTimeout(r, delay));
+  }
+}
+
+interface PipeBinding {
+  Pipe: new (type: number) => { open(fd: number): number | undefined };
+  constants: { SOCKET: number };
+}
+
+/** A net.Socket on an arbitrary pollable fd (see openVirtioPort for why not `new Socket({ fd })`). */
+function socketOnFd(fd: number): Socket {
+  const binding = (process as unknown as { binding(name: string): unknown }).binding('pipe_wrap') as PipeBinding;
+  const handle = new binding.Pipe(binding.constants.SOCKET);
+  const err = handle.open(fd);
+  if (typeof err === 'number' && err !== 0) throw new Error(`uv_pipe_open failed (${err})`);
+  return new Socket({ handle, readable: true, writable: true } as ConstructorParameters<typeof Socket>[0]);
 }
 
 export async function listenVsock(port: number, privateSocket: string, onConnection: (s: Duplex) => void, log: Logger): Promise<Listener> {

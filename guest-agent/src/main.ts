@@ -2,6 +2,7 @@
 import { parseArgs } from 'node:util';
 import { userInfo } from 'node:os';
 import { Agent } from './agent-server.ts';
+import { probeCapabilities } from './capabilities.ts';
 import { findVirtioPort, listenUnix, listenVsock, openVirtioPort, parseListenSpec, type Listener, type ListenSpec } from './listen.ts';
 import { createLogger, parseLogLevel } from './log.ts';
 import { HutchError } from './protocol/errors.ts';
@@ -15,10 +16,15 @@ usage: hutch-agent --listen SPEC [--listen SPEC ...] [options]
   --root DIR          workspace root (default /work)
   --mount-point DIR   where tenants see the workspace (default /work)
   --run-as UID:GID    identity for tenant commands and created files (default: the agent's own)
+  --home DIR          HOME for tenant commands (default: /home/tenant for --run-as, else the agent's)
   --timeout-ms N      default exec timeout (default 600000)
   --max-output N      default bytes kept per output stream (default 16777216)
   --kill-on-exit      kill what a command leaves running when it exits (use when the agent
                       runs on a host rather than in a VM)
+  --guest             this agent owns its machine (a VM): it may set the clock after a
+                      snapshot restore and manage the guest's memory
+  --overlay-upper DIR the root overlay's upper directory (dirtiness: writes outside /work, /tmp)
+  --workload-cgroup D cgroup v2 directory tenant commands run in
   --log-level L       debug | info | warn | error (default info; env HUTCH_LOG_LEVEL)
   -h, --help          this text
 
@@ -31,10 +37,14 @@ async function main(): Promise<void> {
       root: { type: 'string', default: '/work' },
       'mount-point': { type: 'string', default: '/work' },
       'run-as': { type: 'string' },
+      home: { type: 'string' },
       'timeout-ms': { type: 'string', default: '600000' },
       'max-output': { type: 'string', default: String(16 * 1024 * 1024) },
       'log-level': { type: 'string' },
       'kill-on-exit': { type: 'boolean', default: false },
+      guest: { type: 'boolean', default: false },
+      'overlay-upper': { type: 'string' },
+      'workload-cgroup': { type: 'string' },
       help: { type: 'boolean', short: 'h' },
     },
   });
@@ -54,7 +64,7 @@ async function main(): Promise<void> {
     uid = Number(m[1]);
     gid = Number(m[2]);
   }
-  const home = uid === undefined ? userInfo().homedir : uid === 0 ? '/root' : '/home/tenant';
+  const home = values.home ?? (uid === undefined ? userInfo().homedir : uid === 0 ? '/root' : '/home/tenant');
   const agent = new Agent({
     root: values.root,
     mountPoint: values['mount-point'],
@@ -72,6 +82,10 @@ async function main(): Promise<void> {
       defaultMaxOutputBytes: Number(values['max-output']),
       killGroupOnExit: values['kill-on-exit'],
     },
+    caps: probeCapabilities(),
+    ownsMachine: values.guest,
+    overlayUpper: values['overlay-upper'],
+    workloadCgroup: values['workload-cgroup'],
     log,
   });
 
@@ -100,7 +114,7 @@ async function listen(agent: Agent, spec: ListenSpec, log: ReturnType<typeof cre
       const loop = async () => {
         while (!stopped) {
           const dev = findVirtioPort(spec.name);
-          const conn = agent.serve(await openVirtioPort(dev));
+          const conn = agent.serve(await openVirtioPort(dev), { channel: true });
           await conn.closed;
           await new Promise((r) => setTimeout(r, 50));
         }

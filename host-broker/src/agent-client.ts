@@ -179,6 +179,17 @@ export class AgentClient {
     return r.bytes;
   }
 
+  /** A workspace file's content as a stream of chunks (flow-controlled by the consumer). */
+  syncReadStream(path: string): AsyncIterable<Uint8Array> {
+    const s = this.connection.openInbound();
+    const res = this.connection.request('sync.read', { path, stream: s.id }, { streams: [s.id] });
+    res.catch(() => s.stop());
+    return (async function* () {
+      yield* s;
+      await res; // surfaces an error from the agent after a short stream
+    })();
+  }
+
   /** Sends bytes through a stream to the agent and back (tests and the protocol bench). */
   async echo(source: AsyncIterable<Uint8Array>, sink: (chunk: Uint8Array) => void | Promise<void>): Promise<number> {
     const conn = this.connection;

@@ -1,3 +1,4 @@
+import { appendFileSync } from 'node:fs';
 import type { Handler, RequestContext } from '../protocol/connection.ts';
 import { HutchError } from '../protocol/errors.ts';
 import type { ExecParams, ResultOf } from '../protocol/methods.ts';
@@ -16,6 +17,12 @@ export interface ExecConfig {
   onKill?: (() => void) | undefined;
   /** Kill background processes a command leaves behind (host-side agents). */
   killGroupOnExit?: boolean | undefined;
+  /**
+   * cgroup v2 directory tenant commands are moved into (pids.max, memory controls). The
+   * move happens right after spawn; a command forking within its first instructions could
+   * leave a child behind in the agent's cgroup, which its process group kill still reaches.
+   */
+  cgroup?: string | undefined;
 }
 
 /** Serves `exec` and `exec.signal` over a connection, streaming output as it comes. */
@@ -58,6 +65,13 @@ export class ExecService {
       stdout.end();
       stderr.end();
       throw err;
+    }
+    if (this.cfg.cgroup) {
+      try {
+        appendFileSync(`${this.cfg.cgroup}/cgroup.procs`, `${proc.pid}\n`);
+      } catch {
+        // the process may already be gone; a missing cgroup was reported at start
+      }
     }
     this.running.set(ctx.id, proc);
     try {

@@ -52,6 +52,19 @@ export interface ConnectionOptions {
   handshakeTimeoutMs?: number;
   /** Protocol errors tolerated before the peer is considered broken and dropped. */
   maxProtocolErrors?: number;
+  /**
+   * Send our hello only in reply to the peer's. For a channel whose far end may not be
+   * listening yet (a virtio-serial port drops what the guest writes while the host side
+   * is unconnected), so the side that connects always speaks first.
+   */
+  awaitPeerHello?: boolean;
+  /**
+   * A hello on an established connection starts a new logical session on the same
+   * transport: in-flight work fails, streams close, and we answer with our hello. A
+   * VM restored from a snapshot keeps its open virtio-serial port while the broker on
+   * the other side is new.
+   */
+  allowRehello?: boolean;
 }
 
 export interface RequestOptions {
@@ -70,6 +83,8 @@ interface PendingRequest {
 interface ServedRequest {
   controller: AbortController;
   streams: Set<number>;
+  /** Logical session it belongs to; answers to an earlier session are dropped. */
+  generation: number;
 }
 
 /**
@@ -113,6 +128,10 @@ export class Connection extends EventEmitter {
   private rejectReady!: (e: HutchError) => void;
   private resolveClosed!: (e: HutchError | undefined) => void;
   private readonly transport: StreamTransport;
+  private readonly helloMsg: Record<string, unknown>;
+  private readonly awaitPeerHello: boolean;
+  private readonly allowRehello: boolean;
+  private generation = 0;
 
   constructor(socket: Duplex, opts: ConnectionOptions) {
     super();
@@ -153,14 +172,10 @@ export class Connection extends EventEmitter {
     timer.unref();
     void this.ready.then(() => clearTimeout(timer), () => clearTimeout(timer));
 
-    this.send({
-      t: 'hello',
-      v: PROTOCOL_VERSION,
-      role: this.role,
-      maxFrame: this.maxFrame,
-      window: this.window,
-      caps: opts.caps ?? {},
-    });
+    this.helloMsg = { t: 'hello', v: PROTOCOL_VERSION, role: this.role, maxFrame: this.maxFrame, window: this.window, caps: opts.caps ?? {} };
+    this.awaitPeerHello = opts.awaitPeerHello ?? false;
+    this.allowRehello = opts.allowRehello ?? false;
+    if (!this.awaitPeerHello) this.send(this.helloMsg);
   }
 
   /** Bytes this side buffers per inbound stream (announced in hello). */
@@ -403,12 +418,17 @@ export class Connection extends EventEmitter {
         return;
       }
       this.peer = msg;
+      if (this.awaitPeerHello) this.send(this.helloMsg);
       this.resolveReady(msg);
       this.emit('ready', msg);
       return;
     }
     switch (msg.t) {
       case 'hello':
+        if (this.allowRehello && msg.v === PROTOCOL_VERSION && msg.role !== this.role) {
+          this.restartSession(msg);
+          return;
+        }
         this.protocolError(new HutchError('bad_request', 'duplicate hello'));
         return;
       case 'req':
@@ -527,7 +547,7 @@ export class Connection extends EventEmitter {
       this.send({ t: 'res', id, e: new HutchError('bad_request', `invalid ${method} params: ${summary}`, { method }).toWire() });
       return;
     }
-    const entry: ServedRequest = { controller: new AbortController(), streams: new Set(streams) };
+    const entry: ServedRequest = { controller: new AbortController(), streams: new Set(streams), generation: this.generation };
     this.served.set(id, entry);
     for (const s of streams) this.declared.set(s, id);
     const ctx: RequestContext = {
@@ -571,6 +591,7 @@ export class Connection extends EventEmitter {
   }
 
   private finishServed(id: number, entry: ServedRequest, response: Record<string, unknown>): void {
+    if (entry.generation !== this.generation) return; // its requester is gone
     // Streams die with their request: unread input is refused, unfinished output ended,
     // so a handler that forgets one cannot leak it. Output ends are queued behind their
     // data, and the response behind those ends.
@@ -598,18 +619,37 @@ export class Connection extends EventEmitter {
     else void Promise.all(flushes).then(() => setImmediate(respond));
   }
 
-  private shutdown(err: HutchError): void {
-    if (this.isClosed) return;
-    this.isClosed = true;
-    this.rejectReady(err);
+  /** A new peer on the same transport: everything of the old one ends, as if it had disconnected. */
+  private restartSession(hello: Hello): void {
+    const err = new HutchError('connection_closed', 'the peer started a new session on this channel');
+    this.failEverything(err);
+    this.generation++;
+    this.protocolErrors = 0;
+    this.peer = hello;
+    this.send(this.helloMsg);
+    this.log.info('protocol.rehello', { peerRole: hello.role });
+    this.emit('rehello', hello);
+    this.emit('ready', hello);
+  }
+
+  private failEverything(err: HutchError): void {
     for (const p of [...this.pending.values()]) p.reject(err);
     this.pending.clear();
     for (const s of this.served.values()) s.controller.abort(err);
+    this.served.clear();
+    this.declared.clear();
     for (const s of this.inbound.values()) s.fail(err);
     for (const s of this.outbound.values()) s.fail(err);
     this.inbound.clear();
     this.outbound.clear();
     this.flushDrainWaiters();
+  }
+
+  private shutdown(err: HutchError): void {
+    if (this.isClosed) return;
+    this.isClosed = true;
+    this.rejectReady(err);
+    this.failEverything(err);
     this.resolveClosed(err.code === 'connection_closed' ? undefined : err);
     this.emit('close', err);
   }

@@ -194,6 +194,24 @@ export const PingParamsSchema = z.object({}).passthrough();
 export const PingResultSchema = z.object({ now: z.number(), uptimeMs: z.number() });
 export const ExecSignalParamsSchema = z.object({ call: z.number().int().nonnegative(), signal: SignalSchema });
 export const ExecSignalResultSchema = z.object({ delivered: z.boolean() });
+/** After a snapshot restore: fresh entropy (clones share RNG state) and the host's clock. */
+export const ResumeParamsSchema = z.object({
+  unixTimeMs: z.number().positive(),
+  entropy: z.custom<Uint8Array>((v) => v instanceof Uint8Array && v.length >= 32 && v.length <= 4096, '32..4096 bytes of entropy'),
+});
+export const ResumeResultSchema = z.object({ clockDeltaMs: z.number(), clockSet: z.boolean(), reseeded: z.boolean() });
+/** What the tenant changed outside the workspace, and what still runs: the broker's release decision. */
+export const StateParamsSchema = z.object({ maxPaths: z.number().int().positive().max(10_000).optional() });
+export const StateResultSchema = z.object({
+  /** Anything written outside /work and /tmp (the overlay's upper layer is not empty). */
+  dirty: z.boolean(),
+  /** Up to maxPaths changed paths, root-relative (home/tenant/.gitconfig). */
+  dirtyPaths: z.array(z.string()),
+  /** Tenant processes alive now (in the workload cgroup, or the agent's other children). */
+  processes: z.number().int(),
+  /** Whether the answer is known: false when the agent has no overlay to look at (not in a VM). */
+  tracked: z.boolean(),
+});
 export const DebugEchoParamsSchema = z.object({ input: streamId, output: streamId });
 export const DebugEchoResultSchema = z.object({ bytes: z.number().int() });
 
@@ -215,6 +233,8 @@ export const METHODS = {
   'sync.mark': { params: SyncMarkParamsSchema, result: SyncMarkResultSchema },
   'sync.changes': { params: SyncChangesParamsSchema, result: SyncChangesResultSchema },
   'sync.read': { params: SyncReadParamsSchema, result: SyncReadResultSchema },
+  'agent.resume': { params: ResumeParamsSchema, result: ResumeResultSchema },
+  'agent.state': { params: StateParamsSchema, result: StateResultSchema },
   /** Copies one inbound stream to one outbound stream: protocol tests and the throughput bench. */
   'debug.echo': { params: DebugEchoParamsSchema, result: DebugEchoResultSchema },
 } as const;

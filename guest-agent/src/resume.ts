@@ -1,0 +1,27 @@
+import { appendFileSync } from 'node:fs';
+import { runProcess } from './process/run-process.ts';
+import type { ResultOf } from './protocol/methods.ts';
+
+/**
+ * Every VM restored from one snapshot starts with the same kernel RNG state and the
+ * clock of the moment the snapshot was taken. The broker hands over entropy and its
+ * time right after the restore handshake; the clock is only set when this agent owns
+ * its machine (in a VM), never on a host.
+ */
+export async function resumeAfterRestore(p: { unixTimeMs: number; entropy: Uint8Array }, ownsMachine: boolean): Promise<ResultOf<'agent.resume'>> {
+  let reseeded = false;
+  try {
+    // Written data is mixed into the input pool: later reads differ between clones.
+    appendFileSync('/dev/urandom', p.entropy);
+    reseeded = true;
+  } catch {
+    // not fatal: a host agent may run without /dev
+  }
+  const delta = p.unixTimeMs - Date.now();
+  let clockSet = false;
+  if (ownsMachine && Math.abs(delta) > 50) {
+    const r = await runProcess({ argv: ['date', '-u', '-s', `@${(p.unixTimeMs / 1000).toFixed(3)}`], cwd: '/', env: { PATH: '/usr/bin:/bin' }, timeoutMs: 10_000 }).result;
+    clockSet = r.exitCode === 0;
+  }
+  return { clockDeltaMs: delta, clockSet, reseeded };
+}

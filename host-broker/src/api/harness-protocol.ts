@@ -1,0 +1,140 @@
+import { z } from 'zod';
+import { WireErrorSchema } from '../../../guest-agent/src/protocol/errors.ts';
+import { SignalSchema } from '../../../guest-agent/src/protocol/methods.ts';
+
+/**
+ * The harness API: what a harness (opencode, an SDK user) speaks to the broker over a
+ * WebSocket. Defined once here, used by the broker and by the SDK. Text frames carry JSON,
+ * binary frames msgpack (bytes stay bytes); the broker answers in the encoding of the
+ * request. Tool arguments mirror opencode's tools.
+ */
+export const HARNESS_API_VERSION = 1;
+
+const bytesOrText = z.union([z.string(), z.custom<Uint8Array>((v) => v instanceof Uint8Array, 'expected bytes')]);
+const sessionId = z.string().regex(/^[a-z0-9-]{1,64}$/, 'session ids are lowercase letters, digits and dashes');
+
+export const ToolArgs = {
+  read: z.object({ filePath: z.string().min(1), offset: z.number().int().nonnegative().optional(), limit: z.number().int().positive().optional() }),
+  write: z.object({ filePath: z.string().min(1), content: bytesOrText }),
+  edit: z.object({ filePath: z.string().min(1), oldString: z.string(), newString: z.string(), replaceAll: z.boolean().optional() }),
+  glob: z.object({ pattern: z.string().min(1), path: z.string().min(1).optional() }),
+  grep: z.object({ pattern: z.string().min(1), path: z.string().min(1).optional(), include: z.string().min(1).optional() }),
+  list: z.object({ path: z.string().min(1).optional(), ignore: z.array(z.string()).optional() }),
+  bash: z.object({
+    command: z.string().min(1).max(1024 * 1024),
+    /** opencode passes milliseconds as `timeout`; recorded sessions use `timeout_s`. */
+    timeout: z.number().int().positive().optional(),
+    timeout_s: z.number().positive().optional(),
+    description: z.string().optional(),
+    stdin: bytesOrText.optional(),
+    env: z.record(z.string(), z.string()).optional(),
+    maxOutputBytes: z.number().int().nonnegative().optional(),
+    /** Force a route (tests, benchmarks); the router's choice otherwise. */
+    route: z.enum(['fastpath', 'vm']).optional(),
+  }),
+} as const;
+export type ToolName = keyof typeof ToolArgs;
+export const ToolNameSchema = z.enum(['read', 'write', 'edit', 'glob', 'grep', 'list', 'bash']);
+
+export const WorkspaceSourceSchema = z.union([
+  z.object({ dir: z.string().min(1) }),
+  z.object({ tar: z.custom<Uint8Array>((v) => v instanceof Uint8Array, 'expected tar bytes') }),
+  z.object({ files: z.record(z.string(), bytesOrText) }),
+]);
+
+export const CreateParams = z.object({
+  cpus: z.number().int().min(1).max(64).optional(),
+  memoryMiB: z.number().int().min(64).max(1024 * 1024).optional(),
+  workspace: WorkspaceSourceSchema.optional(),
+  /** A stable id chosen by the harness; generated when absent. */
+  id: sessionId.optional(),
+});
+export const AttachParams = z.object({ session: sessionId });
+export const CloseParams = z.object({ session: sessionId, keepWorkspace: z.boolean().optional() });
+export const CallParams = z.object({
+  session: sessionId,
+  tool: ToolNameSchema,
+  args: z.record(z.string(), z.unknown()),
+  /** Stream bash output as `out` frames while it runs (default true). */
+  stream: z.boolean().optional(),
+});
+export const SignalParams = z.object({ call: z.number().int().nonnegative(), signal: SignalSchema });
+export const HintParams = z.object({ session: sessionId, hint: z.enum(['tool_call_pending', 'compacting', 'idle']) });
+export const SessionsParams = z.object({});
+
+export const OPS = {
+  create: CreateParams,
+  attach: AttachParams,
+  close: CloseParams,
+  call: CallParams,
+  signal: SignalParams,
+  hint: HintParams,
+  sessions: SessionsParams,
+} as const;
+export type OpName = keyof typeof OPS;
+
+export const ClientMessageSchema = z.object({
+  t: z.literal('req'),
+  id: z.number().int().nonnegative(),
+  op: z.string(),
+  p: z.unknown(),
+});
+
+// ------------------------------------------------------------ results
+
+export const SessionInfoSchema = z.object({
+  session: z.string(),
+  cpus: z.number(),
+  memoryMiB: z.number(),
+  backend: z.string(),
+  /** Is a VM (or local agent) currently running for it. */
+  live: z.boolean(),
+  createdAt: z.string(),
+  calls: z.number(),
+});
+export type SessionInfo = z.infer<typeof SessionInfoSchema>;
+
+export const RouteSchema = z.enum(['inprocess', 'fastpath', 'vm']);
+export type Route = z.infer<typeof RouteSchema>;
+
+export const CallTimingSchema = z.object({
+  /** From the broker receiving the call to sending its result. */
+  totalMs: z.number(),
+  /** The command's own run time (0 for file tools). */
+  runMs: z.number(),
+  /** totalMs - runMs: what hutch added. */
+  addedMs: z.number(),
+  /** Waking the sandbox (0 when it was live). */
+  wakeMs: z.number(),
+  /** Time spent waiting for admission (queued behind other wakes / VM calls). */
+  queuedMs: z.number().optional(),
+});
+
+export const BashResultSchema = z.object({
+  exitCode: z.number().int().nullable(),
+  signal: z.string().nullable(),
+  timedOut: z.boolean(),
+  stdout: z.string(),
+  stderr: z.string(),
+  stdoutBytes: z.number().int(),
+  stderrBytes: z.number().int(),
+  truncated: z.boolean(),
+});
+
+export const CallResultSchema = z.object({
+  tool: ToolNameSchema,
+  route: RouteSchema,
+  reason: z.string(),
+  woke: z.boolean(),
+  timing: CallTimingSchema,
+  /** The tool's own result: bash -> BashResult; file tools -> the file tool result. */
+  result: z.unknown(),
+});
+export type CallResult = z.infer<typeof CallResultSchema>;
+
+export const ServerMessageSchema = z.union([
+  z.object({ t: z.literal('hello'), v: z.number(), broker: z.string(), backend: z.string(), accel: z.string().optional() }),
+  z.object({ t: z.literal('res'), id: z.number(), r: z.unknown().optional(), e: WireErrorSchema.optional() }),
+  z.object({ t: z.literal('out'), call: z.number(), fd: z.union([z.literal(1), z.literal(2)]), d: bytesOrText }),
+]);
+export type ServerMessage = z.infer<typeof ServerMessageSchema>;

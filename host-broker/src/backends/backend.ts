@@ -1,0 +1,95 @@
+import type { ExecResult } from '../../../guest-agent/src/protocol/methods.ts';
+import type { AgentClient, ExecRequest } from '../agent-client.ts';
+import type { HostChanges } from '../sync/host-changes.ts';
+
+/**
+ * Where calls the router sends to "the VM" run. A backend makes sandboxes; a sandbox is
+ * one session's isolated machine with the guest agent in it. The broker only ever talks
+ * to the agent through AgentClient, so every backend runs the same agent code.
+ */
+export interface SandboxSpec {
+  session: string;
+  /** The host-owned workspace (source of truth). */
+  workspaceDir: string;
+  /** Per-session private state on the host (home directory, sockets, disks). */
+  stateDir: string;
+  cpus: number;
+  memoryMiB: number;
+}
+
+export interface WakeInfo {
+  /** Milliseconds from the request to a usable agent with the workspace current (0 when live). */
+  wakeMs: number;
+  woke: boolean;
+  /** How it came up: 'local-process', 'pristine-restore', 'slot-restore', 'cold-boot', 'live'. */
+  how: string;
+  /** Bytes of workspace pushed while waking. */
+  pushedBytes?: number;
+  restoreMs?: number;
+}
+
+/** A snapshot of one session's VM, written at release when it changed state outside /work and /tmp. */
+export interface SlotRef {
+  dir: string;
+  /** Device + RAM state stream. */
+  state: string;
+  /** What the guest's /work held (JSON manifest), for an incremental push on restore. */
+  manifest: string;
+  /** The pristine snapshot the slot's RAM was based on; a slot of another pristine cannot restore. */
+  pristineKey: string;
+}
+
+export interface GuestState {
+  /** Something outside /work and /tmp changed (the overlay upper is not empty). */
+  dirty: boolean;
+  /** Some of the changed paths, root-relative (e.g. home/tenant/.gitconfig). */
+  dirtyPaths: string[];
+  /** Tenant processes alive right now (background servers, REPLs). */
+  processes: number;
+}
+
+export interface SandboxExecRequest extends Omit<ExecRequest, 'cwd'> {
+  /** Workspace-relative working directory. */
+  cwd?: string;
+}
+
+export interface SyncedExecResult extends ExecResult {
+  pushedBytes: number;
+  pulledBytes: number;
+}
+
+export interface Sandbox {
+  readonly spec: SandboxSpec;
+  readonly agent: AgentClient;
+  /** Makes the guest's workspace current (pushing host changes), runs, pulls changes back. */
+  exec(req: SandboxExecRequest, hostChanges: HostChanges): Promise<SyncedExecResult>;
+  /** What the guest changed outside the workspace, for the release decision. */
+  state(): Promise<GuestState>;
+  /** Writes a snapshot of the VM into `dir` (RAM + devices + workspace manifest), then stops it. */
+  suspend?(dir: string): Promise<{ bytes: number; ms: number; slot: SlotRef }>;
+  /**
+   * What tenant commands changed in HOME, for the router (git reads ~/.gitconfig):
+   * true when unknown-but-changed, a list of HOME-relative paths, or false.
+   */
+  homeChanges(): boolean | string[];
+  /** Resolves when the sandbox dies on its own (crash, kill); with the reason. */
+  readonly exited: Promise<Error | undefined>;
+  /** Stops the sandbox, discarding its state. */
+  close(): Promise<void>;
+}
+
+export interface VmBackend {
+  readonly name: string;
+  /** One line on what isolation this backend gives, shown to users. */
+  readonly isolation: string;
+  /** Accelerator, for VM backends ('kvm' | 'tcg'). */
+  readonly accel?: string;
+  /** Can sandboxes be suspended into snapshot slots? */
+  readonly canSuspend: boolean;
+  /** The current pristine snapshot's key (slots based on another one are stale). */
+  pristineKey?(spec: SandboxSpec): Promise<string>;
+  /** Starts a sandbox, from a slot when given (the session's last dirty state), else fresh. */
+  start(spec: SandboxSpec, from?: SlotRef): Promise<{ sandbox: Sandbox; wake: WakeInfo }>;
+  /** Stops every sandbox and removes what the backend left on disk. */
+  shutdown(): Promise<void>;
+}

@@ -1,0 +1,223 @@
+import { mkdirSync, openSync, fsyncSync, closeSync, readFileSync, writeFileSync, statSync } from 'node:fs';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import type { Logger } from '../../../guest-agent/src/log.ts';
+import { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
+import { WorkspaceSync } from '../../../guest-agent/src/workspace/sync.ts';
+import { hostTscKhz } from '../../../kernel-configs/boot-params.ts';
+import type { AgentClient } from '../agent-client.ts';
+import type { HostChanges } from '../sync/host-changes.ts';
+import { manifestFromJson, manifestToJson } from '../sync/manifest.ts';
+import { WorkspaceMirror } from '../sync/workspace-mirror.ts';
+import { chooseAccel } from '../vm/accel.ts';
+import { connectAgent } from '../vm/agent-channel.ts';
+import { ensureGuestImage, type KernelChoice, type ResolvedGuestImage } from '../vm/guest-image.ts';
+import { cleanupOrphans } from '../vm/orphans.ts';
+import { QemuDriver } from '../vm/qemu-driver.ts';
+import { SnapshotStore } from '../vm/snapshot-store.ts';
+import type { Accel, Vm } from '../vm/vmm.ts';
+import type { GuestState, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
+
+export interface QemuBackendOptions {
+  dataDir: string;
+  cacheDir: string;
+  log: Logger;
+  kernel?: KernelChoice;
+  accel?: Accel;
+  swapMiB?: number;
+  /** Largest file pulled back from a guest. */
+  maxFileBytes?: number;
+  tcgTbMiB?: number;
+}
+
+/** HOME of the tenant user inside the guest, as a path under the overlay's upper layer. */
+const GUEST_HOME = 'home/tenant/';
+
+/**
+ * The `qemu` backend: each session's VM is restored copy-on-write from the pristine
+ * snapshot (or from its own snapshot slot when it had changed state outside the
+ * workspace), the host workspace is pushed in, and after every call the guest's changes
+ * are pulled back to the host, which stays the source of truth.
+ */
+export class QemuBackend implements VmBackend {
+  readonly name = 'qemu';
+  readonly isolation = 'a microVM per session (QEMU microvm, its own kernel), restored from a snapshot';
+  readonly canSuspend = true;
+  readonly accel: Accel;
+  private readonly runRoot: string;
+  private readonly sandboxes = new Set<QemuSandbox>();
+
+  private constructor(
+    private readonly opts: QemuBackendOptions,
+    accel: Accel,
+    readonly accelReason: string,
+    readonly image: ResolvedGuestImage,
+    readonly driver: QemuDriver,
+    readonly snapshots: SnapshotStore,
+  ) {
+    this.accel = accel;
+    this.runRoot = join(opts.dataDir, 'vms');
+  }
+
+  static async create(opts: QemuBackendOptions): Promise<QemuBackend> {
+    const image = await ensureGuestImage({ ...(opts.kernel ? { kernel: opts.kernel } : {}), log: (m) => opts.log.info('guest.build', { msg: m }) });
+    const accel = await chooseAccel(image.kernel, { cacheDir: opts.cacheDir, log: opts.log, ...(opts.accel ? { force: opts.accel } : {}) });
+    // Under TCG the guest's TSC is the host's: telling the kernel its frequency skips the
+    // calibration that is slow and flaky in an emulator.
+    const hostCmdline = accel.accel === 'tcg' ? [`tsc_early_khz=${(await hostTscKhz()).khz}`, 'tsc=reliable'] : [];
+    const driver = new QemuDriver({ accel: accel.accel, log: opts.log, hostCmdline, ...(opts.tcgTbMiB ? { tcgTbMiB: opts.tcgTbMiB } : {}) });
+    const b = new QemuBackend(opts, accel.accel, accel.reason, image, driver, new SnapshotStore(opts.cacheDir, driver, opts.log));
+    const orphans = cleanupOrphans(b.runRoot, opts.log);
+    if (orphans.killed) opts.log.warn('vm.orphans', orphans);
+    mkdirSync(b.runRoot, { recursive: true });
+    opts.log.info('backend.qemu', { accel: accel.accel, why: accel.reason, image: image.describe });
+    return b;
+  }
+
+  /** Makes sure the pristine snapshot for this size exists (boots and snapshots once). */
+  async prepare(size: { memoryMiB: number; cpus: number }): Promise<void> {
+    await this.snapshots.pristine(this.image, { ...size, swapMiB: this.swapMiB() });
+  }
+
+  async pristineKey(spec: SandboxSpec): Promise<string> {
+    return this.snapshots.key(this.image, this.size(spec));
+  }
+
+  async start(spec: SandboxSpec, from?: SlotRef): Promise<{ sandbox: Sandbox; wake: WakeInfo }> {
+    const t0 = performance.now();
+    const size = this.size(spec);
+    const pristine = await this.snapshots.pristine(this.image, size);
+    if (from && from.pristineKey !== pristine.meta.key) {
+      throw new HutchError('unavailable', `snapshot slot ${from.dir} was taken from another pristine snapshot (${from.pristineKey}); it cannot be restored`, { slot: from.dir });
+    }
+    const vm = await this.driver.restore(
+      { id: spec.session, dir: join(this.runRoot, spec.session), image: this.image, ...size },
+      { memory: pristine.memory, state: from ? from.state : pristine.state },
+    );
+    const restoreMs = performance.now() - t0;
+    let agent: AgentClient | undefined;
+    try {
+      agent = await connectAgent(vm, { timeoutMs: 60_000, log: this.opts.log, resume: true });
+      const hostWs = new Workspace(spec.workspaceDir);
+      const mirror = new WorkspaceMirror(hostWs, new WorkspaceSync(hostWs));
+      // From a slot the guest already holds the workspace as it was: push only the difference.
+      if (from) mirror.guestView = manifestFromJson(readFileSync(from.manifest, 'utf8'));
+      const pushed = await mirror.push(agent);
+      const { marker } = await agent.call('sync.mark', {});
+      const sandbox = new QemuSandbox(spec, vm, agent, mirror, marker, this.opts.maxFileBytes ?? 256 * 1024 * 1024, pristine.meta.key, this.opts.log, () => this.sandboxes.delete(sandbox));
+      this.sandboxes.add(sandbox);
+      const wakeMs = performance.now() - t0;
+      const how = from ? 'slot-restore' : 'pristine-restore';
+      this.opts.log.info('vm.woke', { session: spec.session, how, wakeMs: Math.round(wakeMs), restoreMs: Math.round(restoreMs), pushedFiles: pushed.files, pushedBytes: pushed.bytes });
+      return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs } };
+    } catch (err) {
+      agent?.close();
+      await vm.destroy();
+      throw err;
+    }
+  }
+
+  async shutdown(): Promise<void> {
+    await Promise.all([...this.sandboxes].map((s) => s.close()));
+    cleanupOrphans(this.runRoot, this.opts.log);
+  }
+
+  private size(spec: SandboxSpec): { memoryMiB: number; cpus: number; swapMiB: number } {
+    return { memoryMiB: spec.memoryMiB, cpus: spec.cpus, swapMiB: this.swapMiB() };
+  }
+
+  private swapMiB(): number {
+    return this.opts.swapMiB ?? 512;
+  }
+}
+
+class QemuSandbox implements Sandbox {
+  readonly exited: Promise<Error | undefined>;
+  private home: string[] = [];
+
+  constructor(
+    readonly spec: SandboxSpec,
+    readonly vm: Vm,
+    readonly agent: AgentClient,
+    private readonly mirror: WorkspaceMirror,
+    private marker: string,
+    private readonly maxFileBytes: number,
+    private readonly pristineKey: string,
+    private readonly log: Logger,
+    private readonly onClose: () => void,
+  ) {
+    this.exited = vm.exited.then((e) => new HutchError('guest_crashed', `VM exited (${e.code ?? e.signal})`));
+  }
+
+  async exec(req: SandboxExecRequest, hostChanges: HostChanges): Promise<SyncedExecResult> {
+    let pushedBytes = 0;
+    if (hostChanges.kind !== 'none') {
+      const pushed = await this.guard(() => this.mirror.push(this.agent, hostChanges.kind === 'paths' ? hostChanges.paths : undefined));
+      pushedBytes = pushed.bytes;
+      // What we just pushed must not come back as a guest change.
+      this.marker = (await this.guard(() => this.agent.call('sync.mark', {}))).marker;
+    }
+    const r = await this.guard(() => this.agent.exec(req).result);
+    // Pull even when the command failed: a failing test run may still have written files.
+    const pulled = await this.guard(() => this.mirror.pull(this.agent, this.marker, this.maxFileBytes));
+    this.marker = pulled.marker;
+    if (pulled.stats.failed.length) this.log.warn('sync.pull_failed', { session: this.spec.session, failed: pulled.stats.failed.slice(0, 5) });
+    if (pulled.stats.skipped.length) this.log.warn('sync.pull_skipped', { session: this.spec.session, skipped: pulled.stats.skipped.slice(0, 5) });
+    const st = await this.guard(() => this.agent.call('agent.state', { maxPaths: 200 }));
+    this.home = st.dirtyPaths.filter((p) => p.startsWith(GUEST_HOME)).map((p) => p.slice(GUEST_HOME.length));
+    return { ...r, pushedBytes, pulledBytes: pulled.stats.bytes };
+  }
+
+  async state(): Promise<GuestState> {
+    const st = await this.guard(() => this.agent.call('agent.state', { maxPaths: 50 }));
+    return { dirty: st.dirty, dirtyPaths: st.dirtyPaths, processes: st.processes };
+  }
+
+  homeChanges(): string[] {
+    return this.home;
+  }
+
+  async suspend(dir: string): Promise<{ bytes: number; ms: number; slot: SlotRef }> {
+    const t0 = performance.now();
+    mkdirSync(dir, { recursive: true });
+    const state = join(dir, 'state.bin');
+    const manifest = join(dir, 'manifest.json');
+    this.agent.close();
+    const snap = await this.vm.snapshot(state);
+    writeFileSync(manifest, manifestToJson(this.mirror.guestView ?? new Map()));
+    // Durable before the slot becomes current: a crash must never leave a torn "last good" slot.
+    for (const f of [state, manifest]) fsyncFile(f);
+    await this.vm.destroy();
+    this.onClose();
+    const bytes = snap.stateBytes + statSync(manifest).size;
+    return { bytes, ms: performance.now() - t0, slot: { dir, state, manifest, pristineKey: this.pristineKey } };
+  }
+
+  async close(): Promise<void> {
+    this.agent.close();
+    await this.vm.destroy();
+    this.onClose();
+  }
+
+  /** A VM that died under a call becomes a typed error the session can act on. */
+  private async guard<T>(fn: () => Promise<T>): Promise<T> {
+    try {
+      return await fn();
+    } catch (err) {
+      if (!this.vm.running || (err instanceof HutchError && err.code === 'connection_closed')) {
+        throw new HutchError('guest_crashed', `the VM of session ${this.spec.session} died during the call; the host workspace keeps its state from before the call`, { session: this.spec.session });
+      }
+      throw err;
+    }
+  }
+}
+
+function fsyncFile(path: string): void {
+  const fd = openSync(path, 'r');
+  try {
+    fsyncSync(fd);
+  } finally {
+    closeSync(fd);
+  }
+}

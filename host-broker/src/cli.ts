@@ -1,0 +1,123 @@
+#!/usr/bin/env node
+/**
+ * hutch command line: `hutch serve` runs the broker.
+ */
+import { parseArgs } from 'node:util';
+import { randomBytes } from 'node:crypto';
+import { homedir } from 'node:os';
+import { join } from 'node:path';
+import { createLogger, parseLogLevel, type Logger } from '../../guest-agent/src/log.ts';
+import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
+import { Broker } from './broker.ts';
+import { cacheDir, createBackend, BACKEND_NAMES } from './backends/registry.ts';
+import { QemuBackend } from './backends/qemu-backend.ts';
+import { createFastPath } from './tools/fastpath-factory.ts';
+
+const HELP = `hutch: sandboxes for AI agents, packed densely on one host
+
+usage:
+  hutch serve [options]     run the broker (WebSocket API for harnesses)
+  hutch prepare [options]   build (or find cached) the guest kernel, rootfs and pristine snapshot
+
+serve options:
+  --port N          TCP port (default 7070; 0 picks a free one)
+  --host ADDR       listen address (default 127.0.0.1)
+  --token T         bearer token harnesses must present (default: env HUTCH_TOKEN, else generated and printed)
+  --data-dir D      sessions and their workspaces (default: env HUTCH_DATA, else ~/.local/state/hutch)
+  --backend B       where VM-routed calls run: ${BACKEND_NAMES.join(' | ')} (default: qemu when it works here, else local)
+  --log-level L     debug | info | warn | error (default info)
+  -h, --help        this text
+`;
+
+export interface ServeOptions {
+  port: number;
+  host: string;
+  token: string;
+  dataDir: string;
+  backend?: string;
+  log: Logger;
+}
+
+/** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
+export async function serve(o: ServeOptions): Promise<Broker> {
+  const backend = await createBackend(o.backend, { log: o.log, dataDir: o.dataDir });
+  const fastPath = await createFastPath(o.log);
+  const broker = new Broker({ port: o.port, host: o.host, token: o.token, dataDir: o.dataDir, backend, fastPath, log: o.log });
+  await broker.start();
+  return broker;
+}
+
+/** Builds what the qemu backend needs, so the first tenant does not wait for it. */
+async function prepare(args: string[]): Promise<void> {
+  const { values } = parseArgs({ args, options: { kernel: { type: 'string' }, 'memory-mib': { type: 'string', default: '512' }, cpus: { type: 'string', default: '1' } } });
+  const log = createLogger({ name: 'hutch-prepare', level: 'info' });
+  const t0 = Date.now();
+  const backend = await QemuBackend.create({
+    dataDir: join(cacheDir(), 'prepare'),
+    cacheDir: cacheDir(),
+    log,
+    ...(values.kernel === 'debian' || values.kernel === 'hutch' ? { kernel: values.kernel } : {}),
+  });
+  await backend.prepare({ memoryMiB: Number(values['memory-mib']), cpus: Number(values.cpus) });
+  await backend.shutdown();
+  process.stderr.write(`hutch: guest ready (accel ${backend.accel}: ${backend.accelReason}) in ${((Date.now() - t0) / 1000).toFixed(1)} s\n`);
+}
+
+async function main(): Promise<void> {
+  const [cmd, ...rest] = process.argv.slice(2);
+  if (!cmd || cmd === '-h' || cmd === '--help' || cmd === 'help') {
+    process.stdout.write(HELP);
+    return;
+  }
+  if (cmd === 'prepare') {
+    await prepare(rest);
+    return;
+  }
+  if (cmd !== 'serve') throw new HutchError('bad_request', `unknown command ${cmd} (see hutch --help)`);
+  const { values } = parseArgs({
+    args: rest,
+    options: {
+      port: { type: 'string', default: '7070' },
+      host: { type: 'string', default: '127.0.0.1' },
+      token: { type: 'string' },
+      'data-dir': { type: 'string' },
+      backend: { type: 'string' },
+      'log-level': { type: 'string' },
+      help: { type: 'boolean', short: 'h' },
+    },
+  });
+  if (values.help) {
+    process.stdout.write(HELP);
+    return;
+  }
+  const log = createLogger({ name: 'hutch-broker', level: parseLogLevel(values['log-level'] ?? process.env['HUTCH_LOG_LEVEL']) });
+  const token = values.token ?? process.env['HUTCH_TOKEN'] ?? randomBytes(16).toString('hex');
+  const dataDir = values['data-dir'] ?? process.env['HUTCH_DATA'] ?? join(homedir(), '.local/state/hutch');
+  const broker = await serve({
+    port: Number(values.port),
+    host: values.host,
+    token,
+    dataDir,
+    ...(values.backend ? { backend: values.backend } : {}),
+    log,
+  });
+  process.stdout.write(`hutch broker on ws://${values.host}:${broker.port}  token ${values.token || process.env['HUTCH_TOKEN'] ? '(as given)' : token}  data ${dataDir}\n`);
+  let stopping = false;
+  const stop = async (sig: string) => {
+    if (stopping) return;
+    stopping = true;
+    log.info('broker.signal', { signal: sig });
+    await broker.stop();
+    process.exit(0);
+  };
+  process.on('SIGINT', () => void stop('SIGINT'));
+  process.on('SIGTERM', () => void stop('SIGTERM'));
+}
+
+if (process.argv[1] && /cli\.(ts|js|mjs)$/.test(process.argv[1])) {
+  main().catch((err: unknown) => {
+    const e = err instanceof HutchError ? err : new HutchError('internal', (err as Error).message);
+    process.stderr.write(`hutch: ${e.code}: ${e.message}\n`);
+    process.exit(2);
+  });
+}

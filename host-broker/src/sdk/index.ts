@@ -1,0 +1,249 @@
+/**
+ * hutch SDK for harnesses.
+ *
+ *   import { Hutch } from 'hutch';
+ *   const hutch = await Hutch.connect('ws://127.0.0.1:7070', { token });
+ *   const sb = await hutch.create({ cpus: 1, memoryMiB: 512, workspace: { dir: './project' } });
+ *   await sb.files.write('random.txt', 'hello');
+ *   const r = await sb.run('cat random.txt');   // { exitCode, stdout, stderr, route, addedMs, ... }
+ *   await sb.close();
+ */
+import { Packr } from 'msgpackr';
+import WebSocket from 'ws';
+import { HutchError, type ErrorCode } from '../../../guest-agent/src/protocol/errors.ts';
+import type { MethodName, ResultOf, SIGNALS } from '../../../guest-agent/src/protocol/methods.ts';
+import {
+  BashResultSchema,
+  CallResultSchema,
+  ServerMessageSchema,
+  SessionInfoSchema,
+  type CallResult,
+  type OpName,
+  type Route,
+  type SessionInfo,
+  type ToolName,
+} from '../api/harness-protocol.ts';
+
+export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName };
+
+const packr = new Packr({ useRecords: false });
+
+export interface ConnectOptions {
+  token: string;
+  /** msgpack (binary frames, bytes stay bytes) or json (text frames). Default msgpack. */
+  encoding?: 'msgpack' | 'json';
+  /** Give up connecting after this long. */
+  timeoutMs?: number;
+}
+
+export interface CreateOptions {
+  cpus?: number;
+  memoryMiB?: number;
+  /** Initial workspace: a directory on the broker's host, a tar archive, or a map of files. */
+  workspace?: { dir: string } | { tar: Uint8Array } | { files: Record<string, string | Uint8Array> };
+  id?: string;
+}
+
+export interface RunOptions {
+  onStdout?: (chunk: string) => void;
+  onStderr?: (chunk: string) => void;
+  stdin?: string | Uint8Array;
+  timeoutMs?: number;
+  env?: Record<string, string>;
+  maxOutputBytes?: number;
+  /** Force the route (benchmarks, tests); the broker's router decides otherwise. */
+  route?: 'fastpath' | 'vm';
+  signal?: AbortSignal;
+}
+
+export interface RunResult {
+  exitCode: number | null;
+  signal: string | null;
+  timedOut: boolean;
+  stdout: string;
+  stderr: string;
+  truncated: boolean;
+  /** Where it ran and why. */
+  route: Route;
+  reason: string;
+  /** Latency hutch added (broker time minus the command's own run time). */
+  addedMs: number;
+  woke: boolean;
+  timing: CallResult['timing'];
+}
+
+interface Pending {
+  resolve: (r: unknown) => void;
+  reject: (e: HutchError) => void;
+  onOut?: ((fd: 1 | 2, d: Uint8Array | string) => void) | undefined;
+}
+
+export class Hutch {
+  private nextId = 1;
+  private readonly pending = new Map<number, Pending>();
+  private closedError: HutchError | undefined;
+  backend = '';
+  accel: string | undefined;
+
+  private constructor(
+    private readonly ws: WebSocket,
+    private readonly binary: boolean,
+  ) {
+    ws.on('message', (data: WebSocket.RawData, isBinary: boolean) => this.onMessage(data, isBinary));
+    ws.on('close', (code, reason) => this.fail(new HutchError('connection_closed', `broker connection closed (${code}${reason.length ? `: ${reason.toString()}` : ''})`)));
+    ws.on('error', (err) => this.fail(new HutchError('connection_closed', `broker connection error: ${err.message}`)));
+  }
+
+  static async connect(url: string, opts: ConnectOptions): Promise<Hutch> {
+    const ws = new WebSocket(url, { headers: { authorization: `Bearer ${opts.token}` }, maxPayload: 512 * 1024 * 1024 });
+    const hello = await new Promise<{ backend: string; accel?: string }>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        ws.terminate();
+        reject(new HutchError('timeout', `no answer from ${url} within ${opts.timeoutMs ?? 10_000} ms`));
+      }, opts.timeoutMs ?? 10_000);
+      ws.once('unexpected-response', (_req, res) => {
+        clearTimeout(timer);
+        ws.terminate();
+        reject(res.statusCode === 401 ? new HutchError('unauthorized', 'the broker refused the token') : new HutchError('unavailable', `broker answered HTTP ${res.statusCode}`));
+      });
+      ws.once('error', (err) => {
+        clearTimeout(timer);
+        reject(new HutchError('unavailable', `cannot connect to ${url}: ${err.message}`));
+      });
+      ws.once('message', (data: WebSocket.RawData) => {
+        clearTimeout(timer);
+        try {
+          const m = ServerMessageSchema.parse(JSON.parse(String(data)));
+          if (m.t !== 'hello') throw new Error(`expected hello, got ${m.t}`);
+          resolve({ backend: m.backend, ...(m.accel ? { accel: m.accel } : {}) });
+        } catch (err) {
+          reject(new HutchError('bad_request', `broker spoke an unexpected protocol: ${(err as Error).message}`));
+        }
+      });
+    });
+    const h = new Hutch(ws, (opts.encoding ?? 'msgpack') === 'msgpack');
+    h.backend = hello.backend;
+    h.accel = hello.accel;
+    return h;
+  }
+
+  async create(opts: CreateOptions = {}): Promise<Sandbox> {
+    const info = SessionInfoSchema.parse(await this.request('create', opts));
+    return new Sandbox(this, info);
+  }
+
+  /** Attaches to a live session by id (e.g. after reconnecting). */
+  async attach(id: string): Promise<Sandbox> {
+    return new Sandbox(this, SessionInfoSchema.parse(await this.request('attach', { session: id })));
+  }
+
+  async sessions(): Promise<SessionInfo[]> {
+    return ((await this.request('sessions', {})) as { sessions: SessionInfo[] }).sessions;
+  }
+
+  close(): void {
+    this.ws.close();
+  }
+
+  /** @internal */
+  request(op: OpName, p: unknown, onOut?: (fd: 1 | 2, d: Uint8Array | string) => void, signal?: AbortSignal): Promise<unknown> {
+    if (this.closedError) return Promise.reject(this.closedError);
+    const id = this.nextId++;
+    return new Promise((resolve, reject) => {
+      this.pending.set(id, { resolve, reject, onOut });
+      const msg = { t: 'req', id, op, p };
+      this.ws.send(this.binary ? packr.pack(msg) : JSON.stringify(msg));
+      signal?.addEventListener('abort', () => void this.request('signal', { call: id, signal: 'SIGKILL' }).catch(() => undefined), { once: true });
+    });
+  }
+
+  private onMessage(data: WebSocket.RawData, isBinary: boolean): void {
+    let m;
+    try {
+      const buf = Array.isArray(data) ? Buffer.concat(data) : Buffer.from(data as ArrayBuffer);
+      m = ServerMessageSchema.parse(isBinary ? packr.unpack(buf) : JSON.parse(buf.toString('utf8')));
+    } catch {
+      return; // a broker bug; nothing a caller could do with it
+    }
+    if (m.t === 'out') {
+      this.pending.get(m.call)?.onOut?.(m.fd, m.d);
+      return;
+    }
+    if (m.t !== 'res') return;
+    const p = this.pending.get(m.id);
+    if (!p) return;
+    this.pending.delete(m.id);
+    if (m.e) p.reject(HutchError.fromWire(m.e));
+    else p.resolve(m.r);
+  }
+
+  private fail(err: HutchError): void {
+    this.closedError ??= err;
+    for (const p of this.pending.values()) p.reject(err);
+    this.pending.clear();
+  }
+}
+
+export class Sandbox {
+  readonly id: string;
+
+  constructor(
+    private readonly hutch: Hutch,
+    readonly info: SessionInfo,
+  ) {
+    this.id = info.session;
+  }
+
+  /** opencode's file tools on this sandbox's workspace; each resolves to the tool's result. */
+  readonly files = {
+    read: (filePath: string, o: { offset?: number; limit?: number } = {}) => this.tool<'fs.read'>('read', { filePath, ...o }),
+    write: (filePath: string, content: string | Uint8Array) => this.tool<'fs.write'>('write', { filePath, content }),
+    edit: (filePath: string, oldString: string, newString: string, o: { replaceAll?: boolean } = {}) =>
+      this.tool<'fs.edit'>('edit', { filePath, oldString, newString, ...o }),
+    glob: (pattern: string, o: { path?: string } = {}) => this.tool<'fs.glob'>('glob', { pattern, ...o }),
+    grep: (pattern: string, o: { path?: string; include?: string } = {}) => this.tool<'fs.grep'>('grep', { pattern, ...o }),
+    list: (path?: string, o: { ignore?: string[] } = {}) => this.tool<'fs.list'>('list', { ...(path ? { path } : {}), ...o }),
+  };
+
+  /** Runs a shell command (bash -c) with streamed output. */
+  async run(command: string, o: RunOptions = {}): Promise<RunResult> {
+    const dec = { 1: new TextDecoder(), 2: new TextDecoder() };
+    const streaming = Boolean(o.onStdout || o.onStderr);
+    const onOut = (fd: 1 | 2, d: Uint8Array | string) => {
+      const text = typeof d === 'string' ? d : dec[fd].decode(d, { stream: true });
+      (fd === 1 ? o.onStdout : o.onStderr)?.(text);
+    };
+    const args = {
+      command,
+      ...(o.timeoutMs !== undefined ? { timeout: o.timeoutMs } : {}),
+      ...(o.stdin !== undefined ? { stdin: o.stdin } : {}),
+      ...(o.env ? { env: o.env } : {}),
+      ...(o.maxOutputBytes !== undefined ? { maxOutputBytes: o.maxOutputBytes } : {}),
+      ...(o.route ? { route: o.route } : {}),
+    };
+    const r = CallResultSchema.parse(await this.hutch.request('call', { session: this.id, tool: 'bash', args, stream: streaming }, streaming ? onOut : undefined, o.signal));
+    const b = BashResultSchema.parse(r.result);
+    return { ...b, route: r.route, reason: r.reason, addedMs: r.timing.addedMs, woke: r.woke, timing: r.timing };
+  }
+
+  /** Any tool call with opencode's argument names (what recorded sessions contain). */
+  async call(tool: ToolName, args: Record<string, unknown>, o: { signal?: AbortSignal } = {}): Promise<CallResult> {
+    return CallResultSchema.parse(await this.hutch.request('call', { session: this.id, tool, args }, undefined, o.signal));
+  }
+
+  async signal(call: number, sig: (typeof SIGNALS)[number]): Promise<void> {
+    await this.hutch.request('signal', { call, signal: sig });
+  }
+
+  async hint(hint: 'tool_call_pending' | 'compacting' | 'idle'): Promise<void> {
+    await this.hutch.request('hint', { session: this.id, hint });
+  }
+
+  async close(o: { keepWorkspace?: boolean } = {}): Promise<{ workspace?: string }> {
+    return (await this.hutch.request('close', { session: this.id, ...o })) as { workspace?: string };
+  }
+
+  private async tool<M extends MethodName>(tool: ToolName, args: Record<string, unknown>): Promise<ResultOf<M>> {
+    return (await this.call(tool, args)).result as ResultOf<M>;
+  }
+}

@@ -1,0 +1,72 @@
+import { promises as fsp } from 'node:fs';
+import { walk } from '../../../guest-agent/src/workspace/walk.ts';
+
+/**
+ * What a workspace tree looks like, entry by entry, without contents: enough to tell
+ * which paths differ between the host and what a guest holds (size, mtime, mode, kind,
+ * symlink target), so a push carries only those.
+ */
+export interface ManifestEntry {
+  kind: 'file' | 'dir' | 'symlink';
+  size: number;
+  mtimeMs: number;
+  mode: number;
+  target?: string;
+}
+export type Manifest = Map<string, ManifestEntry>;
+
+export async function statEntry(abs: string): Promise<ManifestEntry | undefined> {
+  const st = await fsp.lstat(abs).catch(() => undefined);
+  if (!st) return undefined;
+  const mode = st.mode & 0o7777;
+  if (st.isFile()) return { kind: 'file', size: st.size, mtimeMs: st.mtimeMs, mode };
+  if (st.isDirectory()) return { kind: 'dir', size: 0, mtimeMs: 0, mode };
+  if (st.isSymbolicLink()) return { kind: 'symlink', size: 0, mtimeMs: 0, mode: 0, target: await fsp.readlink(abs) };
+  return undefined; // sockets, fifos, devices never sync
+}
+
+export async function scanTree(root: string): Promise<Manifest> {
+  const m: Manifest = new Map();
+  for await (const e of walk(root)) {
+    const entry = await statEntry(`${root}/${e.rel}`);
+    if (entry) m.set(e.rel, entry);
+  }
+  return m;
+}
+
+export function sameEntry(a: ManifestEntry, b: ManifestEntry): boolean {
+  if (a.kind !== b.kind || a.mode !== b.mode) return false;
+  if (a.kind === 'file') return a.size === b.size && Math.abs(a.mtimeMs - b.mtimeMs) < 1;
+  if (a.kind === 'symlink') return a.target === b.target;
+  return true;
+}
+
+/** Paths to (re)write, parents first, and paths to delete, deepest first, to turn `to` into `from`. */
+export function diffManifests(from: Manifest, to: Manifest): { write: string[]; remove: string[] } {
+  const write: string[] = [];
+  const remove: string[] = [];
+  for (const [p, e] of from) {
+    const t = to.get(p);
+    if (!t || !sameEntry(e, t)) write.push(p);
+  }
+  for (const p of to.keys()) if (!from.has(p) && !hasMissingAncestor(p, from, to)) remove.push(p);
+  write.sort();
+  remove.sort().reverse();
+  return { write, remove };
+}
+
+function hasMissingAncestor(p: string, from: Manifest, to: Manifest): boolean {
+  for (let i = p.lastIndexOf('/'); i > 0; i = p.lastIndexOf('/', i - 1)) {
+    const a = p.slice(0, i);
+    if (to.has(a) && !from.has(a)) return true;
+  }
+  return false;
+}
+
+export function manifestToJson(m: Manifest): string {
+  return JSON.stringify([...m.entries()]);
+}
+
+export function manifestFromJson(s: string): Manifest {
+  return new Map(JSON.parse(s) as Array<[string, ManifestEntry]>);
+}

@@ -1,0 +1,19 @@
+import type { ExecResult } from '../../../guest-agent/src/protocol/methods.ts';
+
+/** What a session needs from the fast path (bubblewrap + seccomp on the host workspace). */
+export interface FastPathRunRequest {
+  command: string;
+  workspace: string;
+  cwd?: string;
+  env?: Record<string, string>;
+  stdin?: Uint8Array;
+  timeoutMs?: number;
+  maxOutputBytes?: number;
+  onStdout?: (c: Uint8Array) => void | Promise<void>;
+  onStderr?: (c: Uint8Array) => void | Promise<void>;
+  signal?: AbortSignal;
+}
+
+export interface FastPathRunner {
+  run(req: FastPathRunRequest): Promise<ExecResult>;
+}

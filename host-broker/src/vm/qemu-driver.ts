@@ -1,0 +1,203 @@
+import { closeSync, mkdirSync, openSync, ftruncateSync, rmSync, statSync } from 'node:fs';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import type { Logger } from '../../../guest-agent/src/log.ts';
+import { kernelCmdline, microvmMachine } from '../../../kernel-configs/boot-params.ts';
+import { startDaemon, type Daemon } from '../util/daemon.ts';
+import { waitForSocket } from '../util/wait-for-socket.ts';
+import { QmpClient } from './qmp.ts';
+import { processMemory } from './smaps.ts';
+import type { Accel, MemoryBacking, SnapshotFiles, Vm, VmmDriver, VmSpec, VmStats } from './vmm.ts';
+
+/** RAM stays in its file (x-ignore-shared); MIGRATION events report progress. */
+const MIGRATION_CAPS = [
+  { capability: 'x-ignore-shared', state: true },
+  { capability: 'events', state: true },
+];
+
+/** Name of the virtio-serial port the guest agent listens on (`--listen vport:hutch-agent`). */
+export const AGENT_PORT_NAME = 'hutch-agent';
+/** Tag in every VM's QEMU command line, so orphans of a dead broker can be found. */
+export const QEMU_TAG = 'hutch-vm';
+
+export interface QemuDriverOptions {
+  accel: Accel;
+  log: Logger;
+  /** TCG translation-buffer size in MiB: the largest private cost of an idle TCG VM. */
+  tcgTbMiB?: number;
+  qemuBinary?: string;
+  /** Kernel command line pieces for this host (e.g. the TSC frequency under TCG). */
+  hostCmdline?: readonly string[];
+}
+
+/**
+ * QEMU `microvm` driver. Flags proven on these machines (see design.md): microvm with the
+ * legacy PIT/PIC for TCG timer calibration, virtio-mmio devices, the root disk read-only,
+ * a sparse swap disk per VM, virtio-serial for the agent, virtio-balloon with free page
+ * reporting, QMP for control. Snapshots use migration with x-ignore-shared: RAM lives in
+ * a file (share=on while the source runs), restores map it MAP_PRIVATE (share=off), so
+ * every restored VM shares the pristine pages until it writes them.
+ */
+export class QemuDriver implements VmmDriver {
+  readonly name = 'qemu';
+  readonly accel: Accel;
+
+  constructor(private readonly opts: QemuDriverOptions) {
+    this.accel = opts.accel;
+  }
+
+  async boot(spec: VmSpec, memory?: MemoryBacking): Promise<Vm> {
+    return this.launch(spec, memory, undefined);
+  }
+
+  async restore(spec: VmSpec, snap: SnapshotFiles): Promise<Vm> {
+    return this.launch(spec, { file: snap.memory, shared: false }, snap);
+  }
+
+  private async launch(spec: VmSpec, memory: MemoryBacking | undefined, snap: SnapshotFiles | undefined): Promise<Vm> {
+    rmSync(spec.dir, { recursive: true, force: true });
+    mkdirSync(spec.dir, { recursive: true });
+    const qmpPath = join(spec.dir, 'qmp.sock');
+    const channelPath = join(spec.dir, 'agent.sock');
+    if (spec.swapMiB > 0) {
+      // Sparse: costs no disk until the guest swaps; each VM has its own.
+      const fd = openSync(join(spec.dir, 'swap.img'), 'w');
+      ftruncateSync(fd, spec.swapMiB * 1024 * 1024);
+      closeSync(fd);
+    }
+    const argv = this.args(spec, memory, qmpPath, channelPath, snap !== undefined);
+    const log = this.opts.log.child({ vm: spec.id });
+    const console: string[] = [];
+    const daemon = startDaemon({
+      argv,
+      log,
+      group: true,
+      interesting: /HUTCH_|panic|error|Kernel|qemu-system/i,
+      onLine: (l) => {
+        console.push(l);
+        if (console.length > 200) console.shift();
+      },
+    });
+    let qmp: QmpClient | undefined;
+    try {
+      await waitForSocket(qmpPath, { proc: daemon.proc, timeoutMs: 15_000 });
+      qmp = await QmpClient.connect(qmpPath);
+      if (snap) await this.loadSnapshot(qmp, snap);
+      return new QemuVm(spec, daemon, this.accel, channelPath, qmp, console);
+    } catch (err) {
+      qmp?.close();
+      await daemon.stop(200);
+      rmSync(spec.dir, { recursive: true, force: true });
+      const tail = daemon.tail().slice(-5).join(' | ');
+      throw new HutchError('unavailable', `QEMU ${snap ? 'restore' : 'boot'} of ${spec.id} failed: ${(err as Error).message}${tail ? `; qemu said: ${tail}` : ''}`, { vm: spec.id });
+    }
+  }
+
+  private async loadSnapshot(qmp: QmpClient, snap: SnapshotFiles): Promise<void> {
+    await qmp.execute('migrate-set-capabilities', { capabilities: MIGRATION_CAPS });
+    const done = qmp.waitEvent('MIGRATION', (d) => d['status'] === 'completed' || d['status'] === 'failed', 120_000);
+    await qmp.execute('migrate-incoming', { uri: `exec:cat ${shellQuote(snap.state)}` });
+    const ev = await done;
+    if (ev['status'] !== 'completed') throw new HutchError('internal', `incoming migration ${String(ev['status'])}`);
+    await qmp.execute('cont');
+  }
+
+  private args(spec: VmSpec, memory: MemoryBacking | undefined, qmpPath: string, channelPath: string, incoming: boolean): string[] {
+    const img = spec.image;
+    const machine = [microvmMachine({ smp: spec.cpus, flavor: img.flavor })];
+    const a: string[] = [
+      'setpriv', '--pdeathsig', 'SIGKILL', '--', // never outlive the broker, even if it is SIGKILLed
+      this.opts.qemuBinary ?? 'qemu-system-x86_64',
+      '-name', `${QEMU_TAG}:${spec.id},debug-threads=off`,
+      ...(this.accel === 'kvm' ? ['-accel', 'kvm', '-cpu', 'host'] : ['-accel', `tcg,tb-size=${this.opts.tcgTbMiB ?? 64}`, '-cpu', 'max']),
+      '-smp', String(spec.cpus),
+      '-m', `${spec.memoryMiB}M`,
+      '-nodefaults', '-no-user-config', '-display', 'none', '-no-reboot',
+      '-serial', 'stdio',
+      '-kernel', img.kernel,
+      ...(img.initrd ? ['-initrd', img.initrd] : []),
+      '-append', kernelCmdline({ flavor: img.flavor, tcg: this.accel === 'tcg', extra: [...(this.opts.hostCmdline ?? []), 'init=/sbin/init', ...(img.cmdline ?? [])] }),
+      '-drive', `id=root,file=${img.rootfs},format=raw,if=none,readonly=on`,
+      '-device', 'virtio-blk-device,drive=root',
+    ];
+    if (spec.swapMiB > 0) {
+      a.push('-drive', `id=swap,file=${join(spec.dir, 'swap.img')},format=raw,if=none,cache=unsafe,discard=unmap`, '-device', 'virtio-blk-device,drive=swap');
+    }
+    a.push(
+      '-device', 'virtio-serial-device',
+      '-chardev', `socket,id=agent,path=${channelPath},server=on,wait=off`,
+      '-device', `virtserialport,chardev=agent,name=${AGENT_PORT_NAME}`,
+      '-device', 'virtio-balloon-device,free-page-reporting=on',
+      // Entropy for the guest's getrandom() (Node and Python read it at start).
+      '-device', 'virtio-rng-device',
+      '-qmp', `unix:${qmpPath},server=on,wait=off`,
+    );
+    if (memory) {
+      a.push('-object', `memory-backend-file,id=mem,size=${spec.memoryMiB}M,mem-path=${memory.file},share=${memory.shared ? 'on' : 'off'}`);
+      machine.push('memory-backend=mem');
+    }
+    if (incoming) a.push('-incoming', 'defer');
+    a.splice(a.indexOf('-smp'), 0, '-M', machine.join(','));
+    return a;
+  }
+}
+
+class QemuVm implements Vm {
+  readonly exited: Promise<{ code: number | null; signal: string | null; console: string[] }>;
+  private destroyed = false;
+
+  constructor(
+    readonly spec: VmSpec,
+    private readonly daemon: Daemon,
+    readonly accel: Accel,
+    readonly channelPath: string,
+    readonly qmp: QmpClient,
+    private readonly console: string[],
+  ) {
+    this.exited = daemon.exited.then(({ code, signal }) => ({ code, signal, console: [...console] }));
+  }
+
+  get pid(): number {
+    return this.daemon.pid;
+  }
+
+  get running(): boolean {
+    return this.daemon.running;
+  }
+
+  async pause(): Promise<void> {
+    await this.qmp.execute('stop');
+  }
+
+  async resume(): Promise<void> {
+    await this.qmp.execute('cont');
+  }
+
+  async snapshot(stateFile: string): Promise<{ ms: number; stateBytes: number }> {
+    const t0 = performance.now();
+    await this.qmp.execute('stop');
+    await this.qmp.execute('migrate-set-capabilities', { capabilities: MIGRATION_CAPS });
+    const done = this.qmp.waitEvent('MIGRATION', (d) => d['status'] === 'completed' || d['status'] === 'failed', 120_000);
+    await this.qmp.execute('migrate', { uri: `exec:cat > ${shellQuote(stateFile)}` });
+    const ev = await done;
+    if (ev['status'] !== 'completed') throw new HutchError('internal', `snapshot migration ${String(ev['status'])}`, { vm: this.spec.id });
+    return { ms: performance.now() - t0, stateBytes: statSync(stateFile).size };
+  }
+
+  async stats(): Promise<VmStats> {
+    return processMemory(this.pid);
+  }
+
+  async destroy(): Promise<void> {
+    if (this.destroyed) return;
+    this.destroyed = true;
+    this.qmp.close();
+    await this.daemon.stop(300);
+    rmSync(this.spec.dir, { recursive: true, force: true });
+  }
+}
+
+function shellQuote(s: string): string {
+  return `'${s.replace(/'/g, `'\\''`)}'`;
+}

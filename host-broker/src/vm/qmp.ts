@@ -1,0 +1,91 @@
+import { connect, type Socket } from 'node:net';
+import { EventEmitter } from 'node:events';
+import { createInterface } from 'node:readline';
+import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
+
+/**
+ * A QEMU Machine Protocol client: JSON lines over QEMU's QMP Unix socket. Commands are
+ * answered in order, so replies are matched FIFO; asynchronous events (MIGRATION, STOP,
+ * SHUTDOWN, ...) are emitted as 'event'.
+ */
+export class QmpClient extends EventEmitter {
+  private readonly queue: Array<{ cmd: string; resolve: (r: unknown) => void; reject: (e: HutchError) => void }> = [];
+  private closed = false;
+
+  private constructor(private readonly sock: Socket) {
+    super();
+    createInterface({ input: sock }).on('line', (line) => this.onLine(line));
+    sock.on('close', () => {
+      this.closed = true;
+      for (const q of this.queue.splice(0)) q.reject(new HutchError('guest_crashed', `QMP connection closed during ${q.cmd}`));
+      this.emit('close');
+    });
+    sock.on('error', () => undefined);
+  }
+
+  static async connect(path: string, timeoutMs = 10_000): Promise<QmpClient> {
+    const sock = connect(path);
+    await new Promise<void>((resolve, reject) => {
+      const t = setTimeout(() => reject(new HutchError('timeout', `QMP at ${path} did not connect in ${timeoutMs} ms`)), timeoutMs);
+      sock.once('connect', () => (clearTimeout(t), resolve()));
+      sock.once('error', (e) => (clearTimeout(t), reject(new HutchError('unavailable', `QMP connect ${path}: ${e.message}`))));
+    });
+    const c = new QmpClient(sock);
+    // The greeting arrives first and answers no command; capabilities negotiation follows.
+    await new Promise<void>((resolve) => c.once('greeting', resolve));
+    await c.execute('qmp_capabilities');
+    return c;
+  }
+
+  execute<T = unknown>(cmd: string, args?: Record<string, unknown>): Promise<T> {
+    if (this.closed) return Promise.reject(new HutchError('guest_crashed', `QMP is closed; cannot run ${cmd}`));
+    return new Promise<T>((resolve, reject) => {
+      this.queue.push({ cmd, resolve: resolve as (r: unknown) => void, reject });
+      this.sock.write(JSON.stringify(args ? { execute: cmd, arguments: args } : { execute: cmd }) + '\n');
+    });
+  }
+
+  /** Resolves on the first event named `name` for which `match` holds. */
+  waitEvent(name: string, match: (data: Record<string, unknown>) => boolean = () => true, timeoutMs = 60_000): Promise<Record<string, unknown>> {
+    return new Promise((resolve, reject) => {
+      const t = setTimeout(() => {
+        this.off('event', on);
+        reject(new HutchError('timeout', `no QMP ${name} event within ${timeoutMs} ms`));
+      }, timeoutMs);
+      const on = (ev: string, data: Record<string, unknown>) => {
+        if (ev !== name || !match(data)) return;
+        clearTimeout(t);
+        this.off('event', on);
+        resolve(data);
+      };
+      this.on('event', on);
+    });
+  }
+
+  close(): void {
+    this.sock.destroy();
+  }
+
+  private onLine(line: string): void {
+    let msg: Record<string, unknown>;
+    try {
+      msg = JSON.parse(line) as Record<string, unknown>;
+    } catch {
+      return;
+    }
+    if ('QMP' in msg) {
+      this.emit('greeting', msg);
+      return;
+    }
+    if ('event' in msg) {
+      this.emit('event', msg['event'], (msg['data'] ?? {}) as Record<string, unknown>);
+      return;
+    }
+    const q = this.queue.shift();
+    if (!q) return;
+    if ('error' in msg) {
+      const e = msg['error'] as { class?: string; desc?: string };
+      q.reject(new HutchError('internal', `QMP ${q.cmd} failed: ${e.desc ?? e.class ?? 'unknown error'}`, { qmpClass: e.class }));
+    } else q.resolve(msg['return']);
+  }
+}

@@ -1,0 +1,82 @@
+import type { QmpClient } from './qmp.ts';
+
+/**
+ * The VMM driver interface (modelled on Firecracker's lifecycle: configure, boot, pause,
+ * snapshot, load-and-resume, destroy). A VM here is a process the driver owns; the agent
+ * channel is a host Unix socket the broker connects to.
+ */
+export type Accel = 'kvm' | 'tcg';
+
+export interface GuestImage {
+  /** Kernel to boot directly (vmlinux with PVH entry, or bzImage). */
+  kernel: string;
+  /** Initramfs, for kernels that need one (Debian's). */
+  initrd?: string;
+  /** 'hutch' kernels have drivers built in and take devices from the command line. */
+  flavor: 'hutch' | 'debian';
+  /** Read-only root filesystem image (ext4). */
+  rootfs: string;
+  /** Extra kernel command line pieces (e.g. hutch.* settings for the guest init). */
+  cmdline?: readonly string[];
+}
+
+export interface VmSpec {
+  /** Short id: names the runtime directory and tags the process for orphan cleanup. */
+  id: string;
+  /** Runtime directory: sockets, swap disk, console log. Created by the driver. */
+  dir: string;
+  image: GuestImage;
+  memoryMiB: number;
+  cpus: number;
+  /** Size of the sparse per-VM swap disk; 0 for none. */
+  swapMiB: number;
+}
+
+export interface MemoryBacking {
+  /** Guest RAM file. `shared` writes go to the file (a snapshot source); private is copy-on-write. */
+  file: string;
+  shared: boolean;
+}
+
+export interface SnapshotFiles {
+  /** Guest RAM at snapshot time (mapped copy-on-write by restores). */
+  memory: string;
+  /** Device state written by QEMU's migration stream. */
+  state: string;
+}
+
+export interface VmStats {
+  rssKiB: number;
+  pssKiB: number;
+  privateKiB: number;
+  sharedKiB: number;
+  swapKiB: number;
+}
+
+export interface Vm {
+  readonly spec: VmSpec;
+  readonly pid: number;
+  readonly accel: Accel;
+  /** Host Unix socket connected to the agent's virtio-serial port. */
+  readonly channelPath: string;
+  readonly qmp: QmpClient;
+  /** Resolves when the VMM process exits, with its last console lines. */
+  readonly exited: Promise<{ code: number | null; signal: string | null; console: string[] }>;
+  readonly running: boolean;
+  pause(): Promise<void>;
+  resume(): Promise<void>;
+  /** Pauses and writes device state; RAM must be shared-file backed. The VM stays paused. */
+  snapshot(stateFile: string): Promise<{ ms: number; stateBytes: number }>;
+  stats(): Promise<VmStats>;
+  /** Kills the VMM and removes its runtime directory. */
+  destroy(): Promise<void>;
+}
+
+export interface VmmDriver {
+  readonly name: string;
+  readonly accel: Accel;
+  /** Cold boot. With `memory`, RAM is backed by that file (needed to snapshot later). */
+  boot(spec: VmSpec, memory?: MemoryBacking): Promise<Vm>;
+  /** Starts a VM from a snapshot, guest RAM mapped copy-on-write from its memory file. */
+  restore(spec: VmSpec, snap: SnapshotFiles): Promise<Vm>;
+}

@@ -1,0 +1,46 @@
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { randomBytes } from 'node:crypto';
+import { createLogger } from '../../guest-agent/src/log.ts';
+import { Broker } from '../../host-broker/src/broker.ts';
+import { createBackend } from '../../host-broker/src/backends/registry.ts';
+import { createFastPath } from '../../host-broker/src/tools/fastpath-factory.ts';
+import { Hutch } from '../../host-broker/src/sdk/index.ts';
+
+export interface TestBroker {
+  broker: Broker;
+  url: string;
+  token: string;
+  dataDir: string;
+  connect(opts?: { encoding?: 'json' | 'msgpack' }): Promise<Hutch>;
+  stop(opts?: { keepData?: boolean }): Promise<void>;
+}
+
+/** A real broker on a free port with a fresh data dir (or a given one, to test restarts). */
+export async function startBroker(o: { backend?: string; dataDir?: string; maxFileBytes?: number } = {}): Promise<TestBroker> {
+  const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
+  const token = randomBytes(12).toString('hex');
+  const log = createLogger({ name: 'hutch-broker', level: 'warn' });
+  const backend = await createBackend(o.backend ?? 'local', { log, dataDir });
+  const broker = new Broker({ port: 0, token, dataDir, backend, fastPath: await createFastPath(log), log, ...(o.maxFileBytes ? { maxFileBytes: o.maxFileBytes } : {}) });
+  const port = await broker.start();
+  const url = `ws://127.0.0.1:${port}`;
+  const clients: Hutch[] = [];
+  return {
+    broker,
+    url,
+    token,
+    dataDir,
+    async connect(opts = {}) {
+      const h = await Hutch.connect(url, { token, ...opts });
+      clients.push(h);
+      return h;
+    },
+    async stop(opts = {}) {
+      for (const c of clients) c.close();
+      await broker.stop();
+      if (!opts.keepData) rmSync(dataDir, { recursive: true, force: true });
+    },
+  };
+}
