@@ -109,6 +109,7 @@ export class Broker {
     await this.server?.close();
     await this.sessions.shutdown();
     await this.opts.backend.shutdown();
+    await this.opts.fastPath.close?.();
     this.opts.log.info('broker.stopped');
   }
 

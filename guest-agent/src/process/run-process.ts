@@ -181,34 +181,25 @@ interface Pump {
 function pump(stream: Readable, cap: number, sink: OutputSink | undefined): Pump {
   let bytes = 0;
   let kept = 0;
-  let inFlight: Promise<void> = Promise.resolve();
-  let finish!: () => void;
-  const ended = new Promise<void>((r) => {
-    finish = r;
-  });
-  stream.on('data', (chunk: Buffer) => {
-    bytes += chunk.length;
-    if (kept >= cap || !sink) return;
-    const piece = kept + chunk.length > cap ? chunk.subarray(0, cap - kept) : chunk;
-    kept += piece.length;
-    const p = sink(piece);
-    if (p) {
-      // Backpressure: the child blocks on a full pipe while the consumer catches up.
-      stream.pause();
-      inFlight = inFlight.then(() => p).then(
-        () => void stream.resume(),
-        () => void stream.resume(),
-      );
+  // Async iteration pulls one chunk at a time, so a slow sink holds the pipe (and with it
+  // the child) back. A 'data' listener with pause() would not do: Node resumes a child's
+  // streams when it exits, and the sink would see overlapping calls.
+  const done = (async () => {
+    try {
+      for await (const chunk of stream as AsyncIterable<Buffer>) {
+        bytes += chunk.length;
+        if (kept >= cap || !sink) continue;
+        const piece = kept + chunk.length > cap ? chunk.subarray(0, cap - kept) : chunk;
+        kept += piece.length;
+        await sink(piece);
+      }
+    } catch {
+      // abandoned (destroyed) or a sink that failed: the result still reports what was seen
     }
-  });
-  stream.once('close', finish);
-  stream.once('error', finish);
+  })();
   return {
-    done: ended.then(() => inFlight),
-    abandon: () => {
-      stream.destroy();
-      finish();
-    },
+    done,
+    abandon: () => stream.destroy(),
     summary: () => ({ bytes, kept, truncated: bytes > kept }),
   };
 }

@@ -65,8 +65,8 @@ export class QemuBackend implements VmBackend {
     const accel = await chooseAccel(image.kernel, { cacheDir: opts.cacheDir, log: opts.log, ...(opts.accel ? { force: opts.accel } : {}) });
     // Under TCG the guest's TSC is the host's: telling the kernel its frequency skips the
     // calibration that is slow and flaky in an emulator.
-    const hostCmdline = accel.accel === 'tcg' ? [`tsc_early_khz=${(await hostTscKhz()).khz}`, 'tsc=reliable'] : [];
-    const driver = new QemuDriver({ accel: accel.accel, log: opts.log, hostCmdline, ...(opts.tcgTbMiB ? { tcgTbMiB: opts.tcgTbMiB } : {}) });
+    const tscKhz = accel.accel === 'tcg' ? (await hostTscKhz()).khz : undefined;
+    const driver = new QemuDriver({ accel: accel.accel, log: opts.log, ...(tscKhz ? { tscKhz } : {}), ...(opts.tcgTbMiB ? { tcgTbMiB: opts.tcgTbMiB } : {}) });
     const b = new QemuBackend(opts, accel.accel, accel.reason, image, driver, new SnapshotStore(opts.cacheDir, driver, opts.log));
     const orphans = cleanupOrphans(b.runRoot, opts.log);
     if (orphans.killed) opts.log.warn('vm.orphans', orphans);

@@ -4,7 +4,7 @@ import type { Logger } from '../../../guest-agent/src/log.ts';
 import type { ExecResult } from '../../../guest-agent/src/protocol/methods.ts';
 import { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { FileTools } from '../../../guest-agent/src/workspace/file-tools.ts';
-import { ToolArgs, type CallResult, type Route, type SessionInfo, type ToolName } from '../api/harness-protocol.ts';
+import { type CallResult, type Route, type SessionInfo, type ToolName } from '../api/harness-protocol.ts';
 import type { SandboxSpec, VmBackend, WakeInfo } from '../backends/backend.ts';
 import type { Admission } from '../admission.ts';
 import type { BrokerMetrics } from '../metrics.ts';
@@ -12,6 +12,7 @@ import { SandboxLifecycle } from '../lifecycle/sandbox-lifecycle.ts';
 import { routeCommand } from '../router/index.ts';
 import { SerialQueue } from '../util/serial-queue.ts';
 import type { FastPathRunner } from '../tools/fastpath-runner.ts';
+import { parseToolArgs, runFileTool } from '../tools/file-calls.ts';
 
 export interface SessionMeta {
   id: string;
@@ -144,42 +145,12 @@ export class Session {
   }
 
   private async dispatch(tool: ToolName, rawArgs: unknown, sinks: CallSinks): Promise<Dispatched> {
-    const inprocess = (result: unknown) => ({ route: 'inprocess' as const, reason: 'file tools run in the broker on the host workspace', runMs: 0, result });
-    switch (tool) {
-      case 'read': {
-        const a = parseArgs('read', rawArgs);
-        return inprocess(await this.files.read({ path: a.filePath, ...(a.offset !== undefined ? { offset: a.offset } : {}), ...(a.limit !== undefined ? { limit: a.limit } : {}) }));
-      }
-      case 'write': {
-        const a = parseArgs('write', rawArgs);
-        const w = await this.files.write({ path: a.filePath, content: a.content });
-        this.vm.hostChanges.mark(w.path);
-        return inprocess(w);
-      }
-      case 'edit': {
-        const a = parseArgs('edit', rawArgs);
-        const e = await this.files.edit({ path: a.filePath, oldString: a.oldString, newString: a.newString, ...(a.replaceAll !== undefined ? { replaceAll: a.replaceAll } : {}) });
-        this.vm.hostChanges.mark(e.path);
-        return inprocess(e);
-      }
-      case 'glob': {
-        const a = parseArgs('glob', rawArgs);
-        return inprocess(await this.files.glob({ pattern: a.pattern, ...(a.path ? { path: a.path } : {}) }));
-      }
-      case 'grep': {
-        const a = parseArgs('grep', rawArgs);
-        return inprocess(await this.files.grep({ pattern: a.pattern, ...(a.path ? { path: a.path } : {}), ...(a.include ? { include: a.include } : {}) }));
-      }
-      case 'list': {
-        const a = parseArgs('list', rawArgs);
-        return inprocess(await this.files.list({ ...(a.path ? { path: a.path } : {}), ...(a.ignore ? { ignore: a.ignore } : {}) }));
-      }
-      case 'bash':
-        return this.bash(parseArgs('bash', rawArgs), sinks);
-    }
+    if (tool === 'bash') return this.bash(parseToolArgs('bash', rawArgs), sinks);
+    const r = await runFileTool(this.files, tool, rawArgs);
+    if (r.wrote !== undefined) this.vm.hostChanges.mark(r.wrote);
+    return { route: 'inprocess', reason: 'file tools run in the broker on the host workspace', runMs: 0, result: r.result };
   }
-
-  private async bash(a: ReturnType<typeof parseArgs<'bash'>>, sinks: CallSinks): Promise<Dispatched> {
+  private async bash(a: ReturnType<typeof parseToolArgs<'bash'>>, sinks: CallSinks): Promise<Dispatched> {
     const decision = a.route
       ? { route: a.route, reason: `route forced to ${a.route} by the caller` }
       : routeCommand(a.command, { homeChanged: this.vm.homeChanges() });
@@ -253,15 +224,6 @@ interface Dispatched {
   queuedMs?: number;
   pushedBytes?: number;
   pulledBytes?: number;
-}
-
-function parseArgs<T extends ToolName>(tool: T, raw: unknown): ReturnType<(typeof ToolArgs)[T]['parse']> {
-  const r = ToolArgs[tool].safeParse(raw);
-  if (!r.success) {
-    const summary = r.error.issues.slice(0, 3).map((i) => `${i.path.join('.') || '(args)'}: ${i.message}`).join('; ');
-    throw new HutchError('bad_request', `invalid ${tool} arguments: ${summary}`, { tool });
-  }
-  return r.data as ReturnType<(typeof ToolArgs)[T]['parse']>;
 }
 
 /** Keeps the first `cap` bytes of a stream for the result while forwarding every chunk. */

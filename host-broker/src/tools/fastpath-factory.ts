@@ -1,26 +1,13 @@
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { runProcess } from '../../../guest-agent/src/process/run-process.ts';
+import { FastPath } from '../fastpath/index.ts';
 import type { FastPathRunner } from './fastpath-runner.ts';
 
 /**
- * TEMPORARY until host-broker/src/fastpath lands: runs the command bare on the host
- * workspace. Not a sandbox; replaced by bubblewrap + seccomp.
+ * The broker's fast path: bubblewrap + seccomp on the host workspace, with limits. Created
+ * early in the broker's life because it forks its spawn helper while the heap is small.
  */
-export async function createFastPath(log: Logger): Promise<FastPathRunner> {
-  log.warn('fastpath.unsandboxed', { note: 'temporary bare runner' });
-  return {
-    run: (req) =>
-      runProcess({
-        argv: ['bash', '--norc', '--noprofile', '-c', req.command],
-        cwd: req.workspace,
-        env: { PATH: '/usr/bin:/bin', HOME: '/tmp', LANG: 'C.UTF-8', ...req.env },
-        stdin: req.stdin,
-        onStdout: req.onStdout,
-        onStderr: req.onStderr,
-        timeoutMs: req.timeoutMs,
-        maxOutputBytes: req.maxOutputBytes,
-        signal: req.signal,
-        killGroupOnExit: true,
-      }).result,
-  };
+export async function createFastPath(log: Logger): Promise<FastPathRunner & { close(): Promise<void>; describe: FastPath['describe'] }> {
+  const fp = await FastPath.create({ log: log.child({ part: 'fastpath' }) });
+  log.info('fastpath.ready', { limits: fp.describe().limits.mechanism });
+  return fp;
 }

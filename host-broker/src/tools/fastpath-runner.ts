@@ -16,4 +16,5 @@ export interface FastPathRunRequest {
 
 export interface FastPathRunner {
   run(req: FastPathRunRequest): Promise<ExecResult>;
+  close?(): Promise<void>;
 }

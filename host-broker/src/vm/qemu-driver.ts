@@ -27,8 +27,8 @@ export interface QemuDriverOptions {
   /** TCG translation-buffer size in MiB: the largest private cost of an idle TCG VM. */
   tcgTbMiB?: number;
   qemuBinary?: string;
-  /** Kernel command line pieces for this host (e.g. the TSC frequency under TCG). */
-  hostCmdline?: readonly string[];
+  /** The host's TSC frequency: under TCG the guest skips calibrating it (see kernel-configs/boot-params.ts). */
+  tscKhz?: number;
 }
 
 /**
@@ -117,7 +117,11 @@ export class QemuDriver implements VmmDriver {
       '-serial', 'stdio',
       '-kernel', img.kernel,
       ...(img.initrd ? ['-initrd', img.initrd] : []),
-      '-append', kernelCmdline({ flavor: img.flavor, tcg: this.accel === 'tcg', extra: [...(this.opts.hostCmdline ?? []), 'init=/sbin/init', ...(img.cmdline ?? [])] }),
+      '-append', kernelCmdline({
+        flavor: img.flavor,
+        ...(this.accel === 'tcg' && this.opts.tscKhz ? { tcgTscKhz: this.opts.tscKhz } : {}),
+        extra: ['init=/sbin/init', ...(img.cmdline ?? [])],
+      }),
       '-drive', `id=root,file=${img.rootfs},format=raw,if=none,readonly=on`,
       '-device', 'virtio-blk-device,drive=root',
     ];

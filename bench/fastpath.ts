@@ -1,0 +1,219 @@
+/**
+ * fastpath: the same read command bare on the host (`bash -c`, spawned by this process
+ * through runProcess) vs through the bubblewrap + seccomp fast path, runs interleaved,
+ * medians; then all again while this process holds >= 1 GiB of live heap (many small
+ * objects, as a busy broker would), to show whether the fast path's spawn cost grows
+ * with the broker's heap (it should not: the sandboxes are forked by a small helper).
+ *
+ *   npx tsx bench/fastpath.ts [--json] [--runs N] [--heap-mib M]
+ *
+ * Also measured: the fast path with the in-process spawner (the broker forks bwrap
+ * itself), which is what the helper is there to avoid.
+ */
+import { mkdtempSync, rmSync, writeFileSync, mkdirSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
+import { runProcess } from '../guest-agent/src/process/run-process.ts';
+import { noopLogger } from '../guest-agent/src/log.ts';
+import { FastPath, seccompFilter } from '../host-broker/src/fastpath/index.ts';
+import { bwrapArgv, probeHostLayout } from '../host-broker/src/fastpath/bwrap-argv.ts';
+import { createSandboxEtc } from '../host-broker/src/fastpath/sandbox-etc.ts';
+import { benchArgs, emit, markdownTable, median, percentile, round } from './lib/report.ts';
+import { randomBytes } from 'node:crypto';
+import { Broker } from '../host-broker/src/broker.ts';
+import { LocalBackend } from '../host-broker/src/backends/local-backend.ts';
+import { createFastPath } from '../host-broker/src/tools/fastpath-factory.ts';
+import { Hutch } from '../host-broker/src/sdk/index.ts';
+
+const args = benchArgs();
+const numArg = (name: string, dflt: number): number => {
+  const i = args.argv.indexOf(name);
+  const v = i >= 0 ? Number(args.argv[i + 1]) : NaN;
+  return Number.isFinite(v) && v > 0 ? v : dflt;
+};
+const RUNS = numArg('--runs', 30);
+const HEAP_MIB = numArg('--heap-mib', 1100);
+const COMMANDS = ['ls', 'cat small.txt'];
+const log = (s: string) => {
+  if (!args.json) process.stderr.write(s + '\n');
+};
+
+type Variant = 'bare' | 'fastpath' | 'fastpath_inprocess' | 'bwrap_only';
+const VARIANTS: readonly Variant[] = ['bare', 'fastpath', 'fastpath_inprocess', 'bwrap_only'];
+const IDENTITY = { uid: 1000, gid: 1000, user: 'user', home: '/tmp' };
+const etc = createSandboxEtc(IDENTITY);
+const layout = probeHostLayout();
+type Samples = Record<Variant, number[]>;
+
+function makeWorkspace(): string {
+  const ws = mkdtempSync(join(tmpdir(), 'hutch-bench-fastpath-'));
+  writeFileSync(join(ws, 'small.txt'), 'hello from the workspace\n'.repeat(40));
+  mkdirSync(join(ws, 'src'));
+  for (let i = 0; i < 20; i++) writeFileSync(join(ws, 'src', `f${i}.ts`), `export const x${i} = ${i};\n`);
+  return ws;
+}
+
+async function timeBare(ws: string, command: string): Promise<number> {
+  const t = performance.now();
+  const r = await runProcess({ argv: ['/bin/bash', '-c', command], cwd: ws, env: { PATH: '/usr/bin:/bin', LANG: 'C.UTF-8' }, onStdout: () => undefined }).result;
+  if (r.exitCode !== 0) throw new Error(`bare ${command} exited ${r.exitCode}`);
+  return performance.now() - t;
+}
+
+/** The same bwrap + seccomp sandbox with no limits step and no helper: what bwrap alone costs. */
+async function timeBwrapOnly(ws: string, command: string): Promise<number> {
+  const t = performance.now();
+  const argv = bwrapArgv({ bwrap: '/usr/bin/bwrap', workspace: ws, cwd: '/work', env: { PATH: '/usr/bin:/bin', HOME: '/tmp', LANG: 'C.UTF-8' }, etcDir: etc.dir, emptyDir: etc.emptyDir, identity: IDENTITY, layout, tmpBytes: 256 << 20, command });
+  const r = await runProcess({ argv, cwd: '/', env: { PATH: '/usr/bin:/bin' }, extraInputs: [seccompFilter().bpf], killGroupOnExit: true, onStdout: () => undefined }).result;
+  if (r.exitCode !== 0) throw new Error(`bwrap ${command} exited ${r.exitCode}`);
+  return performance.now() - t;
+}
+
+async function timeFast(fp: FastPath, ws: string, command: string): Promise<number> {
+  const t = performance.now();
+  const r = await fp.run({ command, workspace: ws, onStdout: () => undefined });
+  if (r.exitCode !== 0) throw new Error(`fast path ${command} exited ${r.exitCode}`);
+  return performance.now() - t;
+}
+
+async function measure(label: string, ws: string, helper: FastPath, inproc: FastPath): Promise<Samples> {
+  const s: Samples = { bare: [], fastpath: [], fastpath_inprocess: [], bwrap_only: [] };
+  const once = (v: Variant, c: string): Promise<number> =>
+    v === 'bare' ? timeBare(ws, c) : v === 'bwrap_only' ? timeBwrapOnly(ws, c) : timeFast(v === 'fastpath' ? helper : inproc, ws, c);
+  // Warm-up: page cache, the helper's JIT, the cgroup slot pool.
+  for (const c of COMMANDS) for (const v of VARIANTS) await once(v, c);
+  for (let i = 0; i < RUNS; i++) {
+    for (const c of COMMANDS) {
+      // Interleaved, order rotated, so drift in machine load hits all variants alike.
+      const order = VARIANTS.map((_, j) => VARIANTS[(i + j) % VARIANTS.length] as Variant);
+      for (const v of order) s[v].push(await once(v, c));
+    }
+    if ((i + 1) % 10 === 0) log(`${label}: ${i + 1}/${RUNS}`);
+  }
+  return s;
+}
+
+/** Live heap of many small objects (what a broker holding sessions looks like), not one Buffer. */
+function growHeap(mib: number): unknown[] {
+  const keep: unknown[] = [];
+  const target = mib * 1024 * 1024;
+  while (process.memoryUsage().heapUsed < target) {
+    const block: Array<{ id: number; name: string; tags: number[] }> = [];
+    for (let i = 0; i < 100_000; i++) block.push({ id: i, name: `session-${i}`, tags: [i, i + 1] });
+    keep.push(block);
+  }
+  return keep;
+}
+
+/** A real broker on loopback and an SDK client: what a harness sees for the cheap routes. */
+async function measureThroughBroker(): Promise<{ read: number[]; exec: number[] }> {
+  const dataDir = mkdtempSync(join(tmpdir(), 'hutch-bench-fp-broker-'));
+  const token = randomBytes(12).toString('hex');
+  const fastPath = await createFastPath(noopLogger);
+  const broker = new Broker({ port: 0, token, dataDir, backend: new LocalBackend(noopLogger), fastPath, log: noopLogger });
+  const port = await broker.start();
+  const hutch = await Hutch.connect(`ws://127.0.0.1:${port}`, { token });
+  const sb = await hutch.create({ workspace: { files: { 'page.txt': 'x'.repeat(4095) + '\n', 'small.txt': 'hello\n' } } });
+  const read: number[] = [];
+  const exec: number[] = [];
+  try {
+    for (let i = 0; i < 20; i++) await sb.files.read('page.txt'); // warm-up
+    for (let i = 0; i < 300; i++) {
+      const t0 = performance.now();
+      await sb.files.read('page.txt');
+      read.push(performance.now() - t0);
+    }
+    for (let i = 0; i < RUNS; i++) {
+      const t0 = performance.now();
+      const r = await sb.run('ls');
+      exec.push(performance.now() - t0);
+      if (r.route !== 'fastpath' || r.exitCode !== 0) throw new Error(`ls went to ${r.route} (exit ${r.exitCode})`);
+    }
+  } finally {
+    await sb.close();
+    hutch.close();
+    await broker.stop();
+    rmSync(dataDir, { recursive: true, force: true });
+  }
+  log(`through the broker: read p50 ${median(read).toFixed(2)} ms, fast-path ls p50 ${median(exec).toFixed(2)} ms`);
+  return { read, exec };
+}
+
+const ws = makeWorkspace();
+// Both fast paths are created first, while this process is small: that is when a broker forks its helper.
+const helper = await FastPath.create({ log: noopLogger });
+const inproc = await FastPath.create({ log: noopLogger, spawner: 'in-process' });
+const desc = helper.describe();
+let heap: unknown[] = [];
+try {
+  const wsNumbers = await measureThroughBroker();
+  const small = await measure('small heap', ws, helper, inproc);
+  log(`growing the heap to ${HEAP_MIB} MiB...`);
+  heap = growHeap(HEAP_MIB);
+  // Let the collector finish with the new heap first, so the second pass measures fork
+  // cost with a big heap, not CPU taken by a concurrent major GC.
+  setFlagsFromString('--expose-gc');
+  (runInNewContext('gc') as () => void)();
+  await sleep(2000);
+  const heapMib = process.memoryUsage().heapUsed / 2 ** 20;
+  const big = await measure('big heap', ws, helper, inproc);
+
+  const p50 = (a: number[]) => round(median(a), 2);
+  const summary = {
+    ratio: round(median(small.fastpath) / median(small.bare), 2),
+    ratio_big_heap: round(median(big.fastpath) / median(big.bare), 2),
+    bare_p50_ms: p50(small.bare),
+    bwrap_p50_ms: p50(small.fastpath),
+    bare_big_heap_p50_ms: p50(big.bare),
+    bwrap_big_heap_p50_ms: p50(big.fastpath),
+    // How much each grew when the heap did (1.0 = not at all).
+    bwrap_growth_big_heap: round(median(big.fastpath) / median(small.fastpath), 2),
+    bare_growth_big_heap: round(median(big.bare) / median(small.bare), 2),
+    inprocess_spawner_p50_ms: p50(small.fastpath_inprocess),
+    inprocess_spawner_big_heap_p50_ms: p50(big.fastpath_inprocess),
+    bwrap_only_p50_ms: p50(small.bwrap_only),
+    bwrap_only_big_heap_p50_ms: p50(big.bwrap_only),
+    bwrap_p99_ms: round(percentile(small.fastpath, 99), 2),
+    bare_p99_ms: round(percentile(small.bare, 99), 2),
+    heap_mib: round(heapMib, 0),
+    runs: RUNS,
+    commands: COMMANDS,
+    limit_mechanism: desc.limits.mechanism,
+    process_limit_enforced: desc.limits.processLimitEnforced,
+    spawner: desc.spawner.kind,
+    // Through a real broker and WebSocket client: a 4 KiB read served in process, and `ls`
+    // routed to the fast path (both round trips, client-observed).
+    inprocess_read_p50_ms: p50(wsNumbers.read),
+    ws_exec_p50_ms: p50(wsNumbers.exec),
+  };
+  const names: Record<Variant, string> = {
+    bare: 'bare bash -c',
+    fastpath: 'fast path (helper spawner, default)',
+    fastpath_inprocess: 'fast path (in-process spawner)',
+    bwrap_only: 'bwrap + seccomp only (no limits, in-process)',
+  };
+  const rows = VARIANTS.map((v) => ({
+    variant: names[v],
+    p50_ms: p50(small[v]),
+    p50_big_heap_ms: p50(big[v]),
+    ratio_vs_bare: round(median(small[v]) / median(small.bare), 2),
+    ratio_vs_bare_big_heap: round(median(big[v]) / median(big.bare), 2),
+  }));
+  emit(
+    `fastpath: bwrap + seccomp vs bare (${COMMANDS.join(', ')}; ${RUNS} runs each; heap ${round(heapMib, 0)} MiB in the second pass; limits: ${desc.limits.mechanism})`,
+    markdownTable(rows),
+    summary,
+    { small, big },
+  );
+} finally {
+  heap = [];
+  void heap;
+  await helper.close();
+  await inproc.close();
+  etc.remove();
+  rmSync(ws, { recursive: true, force: true });
+}

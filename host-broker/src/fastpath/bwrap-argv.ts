@@ -1,0 +1,114 @@
+/**
+ * The bubblewrap command line of one fast-path run. Every flag is a security decision, so
+ * they are all here, in one function, each with its reason.
+ */
+import { existsSync, lstatSync, readlinkSync } from 'node:fs';
+import type { SandboxIdentity } from './sandbox-etc.ts';
+
+/** Where the workspace appears inside, as in the VM. */
+export const SANDBOX_WORKSPACE = '/work';
+/** bwrap reads the BPF program from this inherited descriptor (runProcess's first extraInput). */
+export const SECCOMP_FD = 3;
+
+/** How the host's root is laid out: merged-/usr links are recreated, old-style dirs bound. */
+export interface HostLayout {
+  /** e.g. ['/bin', 'usr/bin'] for a merged-/usr host. */
+  symlinks: Array<[path: string, target: string]>;
+  /** Top-level system dirs that are real directories on this host (non-merged /usr). */
+  binds: string[];
+  /** /proc entries this kernel has, by how they are covered (see PROC_*). */
+  proc: { readOnly: string[]; maskFiles: string[]; maskDirs: string[] };
+}
+
+const SYSTEM_DIRS = ['/bin', '/sbin', '/lib', '/lib64', '/lib32', '/libx32'];
+
+/*
+ * bwrap run by root maps the sandbox user to host uid 0, and the kernel decides some /proc
+ * permissions by uid alone: sysctl files are writable by global uid 0 without any
+ * capability (measured: kernel.core_pattern written from inside), sysrq-trigger likewise,
+ * and 0400 root files are readable. bwrap's own cover of /proc/sys skips it (the directory
+ * answers EACCES to its writability probe), so these are covered here, following Docker's
+ * read-only and masked /proc paths, plus the 0400 root files that leak kernel layout.
+ */
+const PROC_READ_ONLY = ['/proc/sys', '/proc/sysrq-trigger', '/proc/fs', '/proc/bus', '/proc/irq'];
+const PROC_MASK_FILES = [
+  '/proc/kcore', '/proc/keys', '/proc/latency_stats', '/proc/timer_list', '/proc/timer_stats', '/proc/sched_debug',
+  '/proc/kmsg', '/proc/kpagecgroup', '/proc/kpagecount', '/proc/kpageflags', '/proc/pagetypeinfo', '/proc/slabinfo',
+  '/proc/vmallocinfo',
+];
+const PROC_MASK_DIRS = ['/proc/acpi', '/proc/asound', '/proc/scsi'];
+
+export function probeHostLayout(): HostLayout {
+  const layout: HostLayout = { symlinks: [], binds: [], proc: { readOnly: [], maskFiles: [], maskDirs: [] } };
+  for (const dir of SYSTEM_DIRS) {
+    let st;
+    try {
+      st = lstatSync(dir);
+    } catch {
+      continue;
+    }
+    if (st.isSymbolicLink()) layout.symlinks.push([dir, readlinkSync(dir)]);
+    else if (st.isDirectory()) layout.binds.push(dir);
+  }
+  // The sandbox's /proc is the same kernel's: what exists here exists there (bwrap fails on a
+  // mount over a path that does not).
+  layout.proc.readOnly = PROC_READ_ONLY.filter((p) => existsSync(p));
+  layout.proc.maskFiles = PROC_MASK_FILES.filter((p) => existsSync(p));
+  layout.proc.maskDirs = PROC_MASK_DIRS.filter((p) => existsSync(p));
+  return layout;
+}
+
+export interface BwrapSpec {
+  bwrap: string;
+  workspace: string;
+  /** Absolute path inside the sandbox, under /work. */
+  cwd: string;
+  /** The whole environment of the command; bwrap's own is cleared. */
+  env: Record<string, string>;
+  etcDir: string;
+  /** An empty read-only directory, mounted over masked /proc directories. */
+  emptyDir: string;
+  identity: SandboxIdentity;
+  layout: HostLayout;
+  tmpBytes: number;
+  command: string;
+}
+
+export function bwrapArgv(s: BwrapSpec): string[] {
+  const a: string[] = [s.bwrap];
+  // Namespaces: every one bwrap knows (user, ipc, pid, net, uts, cgroup), the user namespace
+  // mandatory, and no further user namespaces inside (a nested `unshare -U` is the usual
+  // first step of kernel exploits that need CAP_SYS_ADMIN over something).
+  a.push('--unshare-all', '--unshare-user', '--disable-userns');
+  // Not root inside: a mapped non-root uid, and no capabilities even in the sandbox's namespaces.
+  a.push('--uid', String(s.identity.uid), '--gid', String(s.identity.gid), '--cap-drop', 'ALL');
+  // Nothing outlives the call: the sandbox dies with bwrap (and bwrap with the broker's kill);
+  // a new session so the command cannot push input into a terminal with TIOCSTI.
+  a.push('--die-with-parent', '--new-session');
+  a.push('--hostname', 'sandbox');
+  a.push('--clearenv');
+  for (const [k, v] of Object.entries(s.env)) a.push('--setenv', k, v);
+
+  // The file system: the host's /usr read-only, a generated /etc, private /proc, /dev and
+  // /tmp, and the workspace, which is the only host directory that can be written.
+  a.push('--ro-bind', '/usr', '/usr');
+  for (const [path, target] of s.layout.symlinks) a.push('--symlink', target, path);
+  for (const dir of s.layout.binds) a.push('--ro-bind', dir, dir);
+  a.push('--ro-bind', s.etcDir, '/etc');
+  a.push('--proc', '/proc');
+  // Read-only binds take the host's entry as source (bwrap resolves sources outside); for
+  // /proc/sys that is the same kernel tables, and net.* still follows the reader's netns.
+  for (const p of s.layout.proc.readOnly) a.push('--ro-bind', p, p);
+  for (const p of s.layout.proc.maskFiles) a.push('--ro-bind', '/dev/null', p);
+  for (const p of s.layout.proc.maskDirs) a.push('--ro-bind', s.emptyDir, p);
+  a.push('--dev', '/dev');
+  a.push('--size', String(s.tmpBytes), '--tmpfs', '/tmp');
+  a.push('--bind', s.workspace, SANDBOX_WORKSPACE, '--chdir', s.cwd);
+  // bwrap's root and /dev are writable tmpfs; read-only, so only /work and /tmp take writes
+  // (the device nodes are their own bind mounts: /dev/null stays writable).
+  a.push('--remount-ro', '/dev', '--remount-ro', '/');
+
+  a.push('--seccomp', String(SECCOMP_FD));
+  a.push('--', '/bin/bash', '-c', s.command);
+  return a;
+}
