@@ -88,7 +88,7 @@ export class Agent {
         await out.flushed();
         return { bytes };
       },
-      'agent.resume': (p) => resumeAfterRestore(p, this.opts.ownsMachine ?? false),
+      'agent.resume': (p) => resumeAfterRestore(p, this.opts.ownsMachine ?? false, (done) => this.execs.holdUntil(done)),
       'agent.state': (p) => guestState({ overlayUpper: this.opts.overlayUpper, workloadCgroup: this.opts.workloadCgroup, maxPaths: p.maxPaths ?? 50 }),
       'debug.echo': async (p, ctx) => {
         const input = ctx.inbound(p.input);

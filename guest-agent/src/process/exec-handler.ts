@@ -28,11 +28,17 @@ export interface ExecConfig {
 /** Serves `exec` and `exec.signal` over a connection, streaming output as it comes. */
 export class ExecService {
   private readonly running = new Map<number, RunningProcess>();
+  private gate: Promise<void> = Promise.resolve();
 
   constructor(
     private readonly ws: Workspace,
     private readonly cfg: ExecConfig,
   ) {}
+
+  /** Tenant commands start only after `p` settles (the clock being set after a restore). */
+  holdUntil(p: Promise<void>): void {
+    this.gate = Promise.all([this.gate, p]).then(() => undefined);
+  }
 
   get activeCount(): number {
     return this.running.size;
@@ -44,6 +50,7 @@ export class ExecService {
     const stdout = ctx.outbound(p.stdout);
     const stderr = ctx.outbound(p.stderr);
     const stdin = p.stdin !== undefined ? ctx.inbound(p.stdin) : undefined;
+    await this.gate;
     let proc: RunningProcess;
     try {
       proc = runProcess({

@@ -1,0 +1,58 @@
+/**
+ * Keeps the rootfs caches from growing without bound: every agent change makes
+ * a new ~300 MiB image and every package-list change a new base tree. After a
+ * build, the newest few entries stay (a broker may still hold snapshots made
+ * from the previous image), older ones and leftovers of crashed builds go.
+ */
+import { readFile, readdir, rm, stat } from "node:fs/promises";
+import path from "node:path";
+import { assertNoMountsUnder, unmountAllUnder } from "./chroot.ts";
+import type { LogFn } from "./progress.ts";
+
+function pidAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code === "EPERM";
+  }
+}
+
+/**
+ * In `dir` (a cache root such as <cache>/rootfs), keeps `current` and the
+ * newest `keep - 1` other entries; removes older entries, and temp dirs and lock
+ * files of builds whose process is gone (fillAtomically names its temp dirs
+ * `<hash>.tmp-<pid>-<ms>`; withLock's files hold the holder's pid).
+ */
+export async function pruneCache(dir: string, current: string, keep: number, log: LogFn): Promise<void> {
+  const entries: { name: string; mtime: number }[] = [];
+  for (const name of await readdir(dir)) {
+    const full = path.join(dir, name);
+    const tmp = /\.tmp-(\d+)-\d+$/.exec(name);
+    if (tmp) {
+      if (!pidAlive(Number(tmp[1]))) {
+        log(`removing leftover of a crashed build: ${full}`);
+        await unmountAllUnder(full);
+        await assertNoMountsUnder(full);
+        await rm(full, { recursive: true, force: true });
+      }
+      continue;
+    }
+    const lock = /^([0-9a-f]{16})\.lock$/.exec(name);
+    if (lock) {
+      // withLock takes over a dead holder's lock, but only for the same hash: other hashes' locks stay.
+      const holder = Number.parseInt(await readFile(full, "utf8").catch(() => ""), 10);
+      if (lock[1] !== current && Number.isFinite(holder) && !pidAlive(holder)) await rm(full, { force: true });
+      continue;
+    }
+    if (!/^[0-9a-f]{16}$/.test(name) || name === current) continue;
+    entries.push({ name, mtime: (await stat(full)).mtimeMs });
+  }
+  entries.sort((a, b) => b.mtime - a.mtime);
+  for (const e of entries.slice(Math.max(0, keep - 1))) {
+    const full = path.join(dir, e.name);
+    log(`pruning old cache entry ${full}`);
+    await assertNoMountsUnder(full);
+    await rm(full, { recursive: true, force: true });
+  }
+}
