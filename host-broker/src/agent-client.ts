@@ -13,6 +13,8 @@ export interface AgentClientOptions {
   maxFrameBytes?: number;
   windowBytes?: number;
   handshakeTimeoutMs?: number;
+  /** Resend hello until answered (device channels that may drop bytes while the guest reopens them). */
+  resendHelloMs?: number;
 }
 
 export interface ExecRequest {
@@ -53,6 +55,7 @@ export class AgentClient {
       ...(opts.maxFrameBytes !== undefined ? { maxFrameBytes: opts.maxFrameBytes } : {}),
       ...(opts.windowBytes !== undefined ? { windowBytes: opts.windowBytes } : {}),
       ...(opts.handshakeTimeoutMs !== undefined ? { handshakeTimeoutMs: opts.handshakeTimeoutMs } : {}),
+      ...(opts.resendHelloMs !== undefined ? { resendHelloMs: opts.resendHelloMs } : {}),
     });
   }
 

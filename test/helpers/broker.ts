@@ -18,12 +18,12 @@ export interface TestBroker {
 }
 
 /** A real broker on a free port with a fresh data dir (or a given one, to test restarts). */
-export async function startBroker(o: { backend?: string; dataDir?: string; maxFileBytes?: number } = {}): Promise<TestBroker> {
+export async function startBroker(o: { backend?: string; dataDir?: string; maxFileBytes?: number; idleMs?: number } = {}): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
   const token = randomBytes(12).toString('hex');
   const log = createLogger({ name: 'hutch-broker', level: 'warn' });
   const backend = await createBackend(o.backend ?? 'local', { log, dataDir });
-  const broker = new Broker({ port: 0, token, dataDir, backend, fastPath: await createFastPath(log), log, ...(o.maxFileBytes ? { maxFileBytes: o.maxFileBytes } : {}) });
+  const broker = new Broker({ port: 0, token, dataDir, backend, fastPath: await createFastPath(log), log, ...(o.maxFileBytes ? { maxFileBytes: o.maxFileBytes } : {}), ...(o.idleMs ? { idleMs: o.idleMs } : {}) });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;
   const clients: Hutch[] = [];

@@ -65,6 +65,13 @@ export interface ConnectionOptions {
    * the other side is new.
    */
   allowRehello?: boolean;
+  /**
+   * Resend our hello at this interval until the peer's arrives. A virtio-serial port can
+   * drop bytes while the guest reopens it (after a restore the guest first sees the host
+   * disconnected); a resent hello makes the handshake robust to that. Duplicate hellos
+   * from the peer in answer are expected then, and ignored.
+   */
+  resendHelloMs?: number;
 }
 
 export interface RequestOptions {
@@ -176,7 +183,17 @@ export class Connection extends EventEmitter {
     this.awaitPeerHello = opts.awaitPeerHello ?? false;
     this.allowRehello = opts.allowRehello ?? false;
     if (!this.awaitPeerHello) this.send(this.helloMsg);
+    this.resendHello = opts.resendHelloMs !== undefined;
+    if (opts.resendHelloMs !== undefined) {
+      const every = setInterval(() => {
+        if (this.peer || this.isClosed) clearInterval(every);
+        else this.send(this.helloMsg);
+      }, opts.resendHelloMs);
+      every.unref();
+    }
   }
+
+  private readonly resendHello: boolean;
 
   /** Bytes this side buffers per inbound stream (announced in hello). */
   get inboundWindow(): number {
@@ -429,6 +446,7 @@ export class Connection extends EventEmitter {
           this.restartSession(msg);
           return;
         }
+        if (this.resendHello) return; // the answer to one of our resent hellos
         this.protocolError(new HutchError('bad_request', 'duplicate hello'));
         return;
       case 'req':

@@ -42,6 +42,8 @@ export interface VmCallOutcome<T> {
  */
 export class SandboxLifecycle {
   private sandbox: Sandbox | undefined;
+  /** A sandbox being released: its exit is expected, not a crash. */
+  private retiring: Sandbox | undefined;
   private releaseMemory: (() => void) | undefined;
   private idleTimer: NodeJS.Timeout | undefined;
   private readonly lock = new SerialQueue();
@@ -134,7 +136,7 @@ export class SandboxLifecycle {
       this.metrics?.liveVms.inc();
       const sb = started.sandbox;
       void sb.exited.then((why) => {
-        if (this.sandbox !== sb) return;
+        if (this.sandbox !== sb || this.retiring === sb) return;
         this.log.warn('vm.exited', { reason: why?.message });
         void this.lock.run(() => this.drop('exited on its own'));
       });
@@ -165,6 +167,7 @@ export class SandboxLifecycle {
   private async releaseLocked(why: string): Promise<ReleaseRecord | undefined> {
     const sb = this.sandbox;
     if (!sb) return undefined;
+    this.retiring = sb;
     const t0 = performance.now();
     let record: ReleaseRecord;
     try {
@@ -201,6 +204,7 @@ export class SandboxLifecycle {
   private async drop(why: string): Promise<void> {
     const sb = this.sandbox;
     if (!sb) return;
+    this.retiring = sb;
     this.forget();
     await sb.close().catch(() => undefined);
     this.log.info('vm.dropped', { why });

@@ -18,6 +18,8 @@ export class SnapshotSlots {
 
   constructor(stateDir: string) {
     this.root = join(stateDir, 'slots');
+    // A broker that died while writing a slot left a temp dir; the slot it was replacing is intact.
+    for (const t of ['a.tmp', 'b.tmp', 'current.tmp']) rmSync(join(this.root, t), { recursive: true, force: true });
   }
 
   /** The last good slot, if any. */

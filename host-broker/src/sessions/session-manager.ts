@@ -95,9 +95,9 @@ export class SessionManager {
     return { session: id };
   }
 
-  /** Stops every sandbox; workspaces and metadata stay for the next broker. */
+  /** Releases every sandbox (dirty ones into their snapshot slots); workspaces and metadata stay for the next broker. */
   async shutdown(): Promise<void> {
-    await Promise.all([...this.sessions.values()].map((s) => s.close()));
+    await Promise.all([...this.sessions.values()].map((s) => s.shutdown()));
     this.sessions.clear();
   }
 

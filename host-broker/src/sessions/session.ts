@@ -138,9 +138,18 @@ export class Session {
     else void this.vm.release(`hint ${h}`).catch((err: unknown) => this.log.warn('vm.release_failed', { error: (err as Error).message }));
   }
 
+  /** Ends the session: its VM is discarded (the workspace is handled by the manager). */
   async close(): Promise<void> {
     this.closed = true;
     await this.queue.idle();
+    await this.vm.close();
+  }
+
+  /** Broker shutdown: release the VM properly (a dirty one into its snapshot slot), keep the session. */
+  async shutdown(): Promise<void> {
+    this.closed = true;
+    await this.queue.idle();
+    await this.vm.release('broker shutdown').catch((err: unknown) => this.log.warn('vm.release_failed', { error: (err as Error).message }));
     await this.vm.close();
   }
 

@@ -16,7 +16,7 @@ export async function connectAgent(vm: Vm, opts: { timeoutMs: number; log: Logge
     sock.once('connect', resolve);
     sock.once('error', (e) => reject(new HutchError('unavailable', `agent channel ${vm.channelPath}: ${e.message}`)));
   });
-  const client = new AgentClient(sock, { log: opts.log.child({ vm: vm.spec.id }), handshakeTimeoutMs: opts.timeoutMs });
+  const client = new AgentClient(sock, { log: opts.log.child({ vm: vm.spec.id }), handshakeTimeoutMs: opts.timeoutMs, resendHelloMs: 500 });
   const died = vm.exited.then((e) => {
     throw new HutchError('guest_crashed', `VM ${vm.spec.id} exited (${e.code ?? e.signal}) before its agent answered; console: ${e.console.slice(-5).join(' | ')}`);
   });

@@ -1,5 +1,5 @@
 import { createHash } from 'node:crypto';
-import { existsSync, mkdirSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { execFileSync } from 'node:child_process';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
@@ -40,7 +40,27 @@ export class SnapshotStore {
     private readonly cacheDir: string,
     private readonly driver: VmmDriver,
     private readonly log: Logger,
-  ) {}
+  ) {
+    this.removeAbandoned();
+  }
+
+  /** Half-built snapshots of processes that died (`<key>.tmp-<pid>`) are garbage. */
+  private removeAbandoned(): void {
+    const root = join(this.cacheDir, 'snapshots');
+    let names: string[] = [];
+    try {
+      names = readdirSync(root);
+    } catch {
+      return;
+    }
+    for (const n of names) {
+      const m = /\.tmp-(\d+)$/.exec(n);
+      if (m && !alive(Number(m[1]))) {
+        rmSync(join(root, n), { recursive: true, force: true });
+        this.log.info('snapshot.abandoned_removed', { dir: n });
+      }
+    }
+  }
 
   key(image: GuestImage & { key: string }, size: { memoryMiB: number; cpus: number; swapMiB: number }): string {
     return createHash('sha256')

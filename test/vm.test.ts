@@ -1,0 +1,117 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { createLogger } from '../guest-agent/src/log.ts';
+import { QemuBackend } from '../host-broker/src/backends/qemu-backend.ts';
+import { cacheDir } from '../host-broker/src/backends/registry.ts';
+import { connectAgent } from '../host-broker/src/vm/agent-channel.ts';
+import { QEMU_TAG } from '../host-broker/src/vm/qemu-driver.ts';
+import type { Vm } from '../host-broker/src/vm/vmm.ts';
+
+/**
+ * The guest image and VM layer with the real kernel, rootfs and QEMU (TCG here: there is
+ * no usable KVM). Slow by nature; one pristine snapshot is shared by the whole file.
+ */
+const log = createLogger({ name: 'vm-test', level: 'warn' });
+const SIZE = { memoryMiB: 512, cpus: 1, swapMiB: 512 };
+
+function qemuProcessesUnder(dir: string): number[] {
+  const pids: number[] = [];
+  for (const p of readdirSync('/proc')) {
+    if (!/^\d+$/.test(p)) continue;
+    try {
+      const cmd = readFileSync(`/proc/${p}/cmdline`, 'utf8');
+      if (cmd.includes(`${QEMU_TAG}:`) && cmd.includes(dir)) pids.push(Number(p));
+    } catch {
+      // gone
+    }
+  }
+  return pids;
+}
+
+/** Host memory of the guest-RAM mapping of a VM: how much of it is shared with the page cache and other VMs. */
+function guestRamMapping(pid: number, memoryFile: string): { rssKiB: number; privateKiB: number } {
+  let inMap = false;
+  let rss = 0;
+  let priv = 0;
+  for (const line of readFileSync(`/proc/${pid}/smaps`, 'utf8').split('\n')) {
+    if (/^[0-9a-f]+-[0-9a-f]+ /.test(line)) inMap = line.endsWith(memoryFile);
+    if (!inMap) continue;
+    const m = /^(Rss|Private_Clean|Private_Dirty):\s+(\d+) kB/.exec(line);
+    if (m?.[1] === 'Rss') rss += Number(m[2]);
+    else if (m) priv += Number(m[2]);
+  }
+  return { rssKiB: rss, privateKiB: priv };
+}
+
+describe('guest image and microVMs (real QEMU)', () => {
+  let dataDir: string;
+  let backend: QemuBackend;
+
+  beforeAll(async () => {
+    dataDir = mkdtempSync(join(tmpdir(), 'hutch-vm-test-'));
+    backend = await QemuBackend.create({ dataDir, cacheDir: cacheDir(), log });
+    await backend.prepare(SIZE);
+  }, 1_800_000);
+
+  afterAll(async () => {
+    await backend?.shutdown();
+    expect(qemuProcessesUnder(dataDir)).toEqual([]);
+    rmSync(dataDir, { recursive: true, force: true });
+  });
+
+  it('cold-boots the guest and runs python3, node and a file round trip through the agent', async () => {
+    const vm = await backend.driver.boot({ id: 'cold', dir: join(dataDir, 'vms', 'cold'), image: backend.image, ...SIZE });
+    try {
+      const agent = await connectAgent(vm, { timeoutMs: 240_000, log });
+      expect(agent.capabilities['idlePageTracking']).toBe(backend.image.flavor === 'hutch');
+      const py = await agent.run({ command: 'python3 -c "import sys; print(sys.version_info[:2] >= (3, 8))"' });
+      expect(py.stdoutText.trim()).toBe('True');
+      const node = await agent.run({ command: 'node -e "console.log(process.versions.node.split(\'.\')[0] >= 18)"' });
+      expect(node.stdoutText.trim()).toBe('true');
+      await agent.call('fs.write', { path: 'round/trip.txt', content: 'there and back\n' });
+      const read = await agent.run({ command: 'cat round/trip.txt; id -u' });
+      expect(read.stdoutText).toBe('there and back\n1000\n');
+      expect((await agent.call('fs.read', { path: 'round/trip.txt', numbered: false })).content).toBe('there and back');
+      agent.close();
+    } finally {
+      await vm.destroy();
+    }
+  }, 600_000);
+
+  it('restores three VMs from one pristine snapshot: independent state, shared guest RAM', async () => {
+    const pristine = await backend.snapshots.pristine(backend.image, SIZE);
+    const vms: Vm[] = [];
+    try {
+      for (let i = 0; i < 3; i++) vms.push(await backend.driver.restore({ id: `r${i}`, dir: join(dataDir, 'vms', `r${i}`), image: backend.image, ...SIZE }, pristine));
+      const agents = await Promise.all(vms.map((vm) => connectAgent(vm, { timeoutMs: 60_000, log, resume: true })));
+      await Promise.all(agents.map((a, i) => a.run({ command: `echo vm${i} > /tmp/who; echo vm${i} > ~/who; echo vm${i} > who` })));
+      const seen = await Promise.all(agents.map((a) => a.run({ command: 'cat /tmp/who ~/who who' })));
+      seen.forEach((r, i) => expect(r.stdoutText).toBe(`vm${i}\nvm${i}\nvm${i}\n`));
+      // Clones must not share RNG output after the reseed.
+      const rand = await Promise.all(agents.map((a) => a.run({ command: 'head -c 16 /dev/urandom | od -An -tx1' })));
+      expect(new Set(rand.map((r) => r.stdoutText)).size).toBe(3);
+      // Guest RAM is the pristine file mapped copy-on-write: most of what each VM has resident is shared.
+      for (const vm of vms) {
+        const m = guestRamMapping(vm.pid, pristine.memory);
+        expect(m.rssKiB).toBeGreaterThan(16 * 1024);
+        expect(m.rssKiB - m.privateKiB).toBeGreaterThan(m.privateKiB);
+      }
+      agents.forEach((a) => a.close());
+    } finally {
+      await Promise.all(vms.map((v) => v.destroy()));
+    }
+  }, 600_000);
+
+  it('a VM killed in the middle of a call gives that call a clear error', async () => {
+    const ws = join(dataDir, 'ws-kill');
+    mkdirSync(ws);
+    const { sandbox } = await backend.start({ session: 'killme', workspaceDir: ws, stateDir: join(dataDir, 'state-kill'), ...SIZE });
+    const call = sandbox.exec({ command: 'sleep 60' }, { kind: 'none' });
+    await new Promise((r) => setTimeout(r, 1500));
+    process.kill((sandbox as unknown as { vm: Vm }).vm.pid, 'SIGKILL');
+    await expect(call).rejects.toMatchObject({ code: 'guest_crashed' });
+    await sandbox.close();
+  }, 300_000);
+});
