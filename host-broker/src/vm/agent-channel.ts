@@ -4,6 +4,7 @@ import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { AgentClient } from '../agent-client.ts';
 import type { Vm } from './vmm.ts';
+import { connectVsockAgent } from './vsock.ts';
 
 /**
  * Connects the broker to the agent inside a VM through QEMU's chardev socket. The agent
@@ -11,6 +12,7 @@ import type { Vm } from './vmm.ts';
  * it starts a new session on its open port). A VM that dies first fails the wait.
  */
 export async function connectAgent(vm: Vm, opts: { timeoutMs: number; log: Logger; resume?: boolean }): Promise<AgentClient> {
+  if (vm.spec.channel?.kind === 'vsock') return connectVsockAgent(vm, opts);
   const sock = connect(vm.channelPath);
   await new Promise<void>((resolve, reject) => {
     sock.once('connect', resolve);

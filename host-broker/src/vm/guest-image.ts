@@ -11,6 +11,8 @@ export interface ResolvedGuestImage extends GuestImage {
   /** Identity of kernel + rootfs (+ agent, baked into the rootfs) for snapshot cache keys. */
   key: string;
   describe: string;
+  /** Seconds spent building in this call (0 when taken from the cache). */
+  built: { kernelSeconds: number; rootfsSeconds: number };
 }
 
 /**
@@ -30,6 +32,7 @@ export async function ensureGuestImage(opts: { kernel?: KernelChoice; log?: (m: 
       rootfs: rootfs.image,
       key: hash(['debian', fileId(d.vmlinuz), fileId(d.initrd), rootfs.imageSha256]),
       describe: `Debian ${d.kernelRelease} + initramfs, rootfs ${rootfs.hash.slice(0, 12)}`,
+      built: { kernelSeconds: 0, rootfsSeconds: rootfs.cached ? 0 : rootfs.buildSeconds },
     };
   }
   const k = await ensureKernel({ log });
@@ -39,6 +42,7 @@ export async function ensureGuestImage(opts: { kernel?: KernelChoice; log?: (m: 
     rootfs: rootfs.image,
     key: hash(['hutch', k.info.hash, rootfs.imageSha256]),
     describe: `hutch kernel ${k.info.hash.slice(0, 12)} (${k.info.sourceVersion}), rootfs ${rootfs.hash.slice(0, 12)}`,
+    built: { kernelSeconds: k.cached ? 0 : k.info.totalSeconds, rootfsSeconds: rootfs.cached ? 0 : rootfs.buildSeconds },
   };
 }
 

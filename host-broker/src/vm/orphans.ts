@@ -17,7 +17,9 @@ export function cleanupOrphans(runRoot: string, log: Logger): { killed: number; 
     } catch {
       continue;
     }
-    if (!cmdline.includes(`${QEMU_TAG}:`) || !cmdline.includes(`${runRoot}/`)) continue;
+    // QEMU (tagged) and its vhost-user vsock backend, both with files under our run directory.
+    const ours = (cmdline.includes(`${QEMU_TAG}:`) || cmdline.includes('vhost-device-vsock')) && cmdline.includes(`${runRoot}/`);
+    if (!ours) continue;
     try {
       process.kill(Number(pid), 'SIGKILL');
       killed++;

@@ -9,6 +9,7 @@ import { waitForSocket } from '../util/wait-for-socket.ts';
 import { QmpClient } from './qmp.ts';
 import { processMemory } from './smaps.ts';
 import type { Accel, MemoryBacking, SnapshotFiles, Vm, VmmDriver, VmSpec, VmStats } from './vmm.ts';
+import { DEFAULT_GUEST_CID, ensureVhostDeviceVsock, startVhostVsockBackend, validatePort, VHOST_USER_SOCKET_NAME, vsockSnapshotError, VSOCK_UDS_NAME, type VhostDeviceVsock } from './vsock.ts';
 
 /** RAM stays in its file (x-ignore-shared); MIGRATION events report progress. */
 const MIGRATION_CAPS = [
@@ -29,6 +30,8 @@ export interface QemuDriverOptions {
   qemuBinary?: string;
   /** The host's TSC frequency: under TCG the guest skips calibrating it (see kernel-configs/boot-params.ts). */
   tscKhz?: number;
+  /** The vhost-device-vsock backend for VMs with a vsock channel; found or fetched on first use when absent. */
+  vhostDeviceVsock?: VhostDeviceVsock;
 }
 
 /**
@@ -42,6 +45,7 @@ export interface QemuDriverOptions {
 export class QemuDriver implements VmmDriver {
   readonly name = 'qemu';
   readonly accel: Accel;
+  private vhostDeviceVsock: VhostDeviceVsock | undefined;
 
   constructor(private readonly opts: QemuDriverOptions) {
     this.accel = opts.accel;
@@ -56,10 +60,14 @@ export class QemuDriver implements VmmDriver {
   }
 
   private async launch(spec: VmSpec, memory: MemoryBacking | undefined, snap: SnapshotFiles | undefined): Promise<Vm> {
+    const vsock = spec.channel?.kind === 'vsock' ? spec.channel : undefined;
+    // vhost-user needs shared RAM and cannot be migrated: no memory file, no restore.
+    if (vsock && (memory || snap)) throw vsockSnapshotError(spec.id);
+    if (vsock) validatePort(vsock.port);
     rmSync(spec.dir, { recursive: true, force: true });
     mkdirSync(spec.dir, { recursive: true });
     const qmpPath = join(spec.dir, 'qmp.sock');
-    const channelPath = join(spec.dir, 'agent.sock');
+    const channelPath = join(spec.dir, vsock ? VSOCK_UDS_NAME : 'agent.sock');
     if (spec.swapMiB > 0) {
       // Sparse: costs no disk until the guest swaps; each VM has its own.
       const fd = openSync(join(spec.dir, 'swap.img'), 'w');
@@ -68,6 +76,16 @@ export class QemuDriver implements VmmDriver {
     }
     const argv = this.args(spec, memory, qmpPath, channelPath, snap !== undefined);
     const log = this.opts.log.child({ vm: spec.id });
+    let backend: Daemon | undefined;
+    if (vsock) {
+      try {
+        const binary = (this.vhostDeviceVsock ??= this.opts.vhostDeviceVsock ?? (await ensureVhostDeviceVsock({ log: (m) => log.info('vsock.backend', { msg: m }) })));
+        backend = (await startVhostVsockBackend({ binary, dir: spec.dir, cid: vsock.cid ?? DEFAULT_GUEST_CID, log })).daemon;
+      } catch (err) {
+        rmSync(spec.dir, { recursive: true, force: true });
+        throw err;
+      }
+    }
     const console: string[] = [];
     const daemon = startDaemon({
       argv,
@@ -84,10 +102,11 @@ export class QemuDriver implements VmmDriver {
       await waitForSocket(qmpPath, { proc: daemon.proc, timeoutMs: 15_000 });
       qmp = await QmpClient.connect(qmpPath);
       if (snap) await this.loadSnapshot(qmp, snap);
-      return new QemuVm(spec, daemon, this.accel, channelPath, qmp, console);
+      return new QemuVm(spec, daemon, this.accel, channelPath, qmp, console, backend);
     } catch (err) {
       qmp?.close();
       await daemon.stop(200);
+      await backend?.stop(200);
       rmSync(spec.dir, { recursive: true, force: true });
       const tail = daemon.tail().slice(-5).join(' | ');
       throw new HutchError('unavailable', `QEMU ${snap ? 'restore' : 'boot'} of ${spec.id} failed: ${(err as Error).message}${tail ? `; qemu said: ${tail}` : ''}`, { vm: spec.id });
@@ -105,6 +124,7 @@ export class QemuDriver implements VmmDriver {
 
   private args(spec: VmSpec, memory: MemoryBacking | undefined, qmpPath: string, channelPath: string, incoming: boolean): string[] {
     const img = spec.image;
+    const vsock = spec.channel?.kind === 'vsock' ? spec.channel : undefined;
     const machine = [microvmMachine({ smp: spec.cpus, flavor: img.flavor })];
     const a: string[] = [
       'setpriv', '--pdeathsig', 'SIGKILL', '--', // never outlive the broker, even if it is SIGKILLed
@@ -120,7 +140,7 @@ export class QemuDriver implements VmmDriver {
       '-append', kernelCmdline({
         flavor: img.flavor,
         ...(this.accel === 'tcg' && this.opts.tscKhz ? { tcgTscKhz: this.opts.tscKhz } : {}),
-        extra: ['init=/sbin/init', ...(img.cmdline ?? [])],
+        extra: ['init=/sbin/init', ...(img.cmdline ?? []), ...(vsock ? [`hutch.listen=vsock:${vsock.port}`] : [])],
       }),
       '-drive', `id=root,file=${img.rootfs},format=raw,if=none,readonly=on`,
       '-device', 'virtio-blk-device,drive=root',
@@ -128,10 +148,17 @@ export class QemuDriver implements VmmDriver {
     if (spec.swapMiB > 0) {
       a.push('-drive', `id=swap,file=${join(spec.dir, 'swap.img')},format=raw,if=none,cache=unsafe,discard=unmap`, '-device', 'virtio-blk-device,drive=swap');
     }
+    if (vsock) {
+      // The guest CID comes from the backend (the device has no guest-cid property in QEMU 7.2).
+      a.push('-chardev', `socket,id=vsock,path=${join(spec.dir, VHOST_USER_SOCKET_NAME)}`, '-device', 'vhost-user-vsock-device,chardev=vsock');
+    } else {
+      a.push(
+        '-device', 'virtio-serial-device',
+        '-chardev', `socket,id=agent,path=${channelPath},server=on,wait=off`,
+        '-device', `virtserialport,chardev=agent,name=${AGENT_PORT_NAME}`,
+      );
+    }
     a.push(
-      '-device', 'virtio-serial-device',
-      '-chardev', `socket,id=agent,path=${channelPath},server=on,wait=off`,
-      '-device', `virtserialport,chardev=agent,name=${AGENT_PORT_NAME}`,
       '-device', 'virtio-balloon-device,free-page-reporting=on',
       // Entropy for the guest's getrandom() (Node and Python read it at start).
       '-device', 'virtio-rng-device',
@@ -139,6 +166,10 @@ export class QemuDriver implements VmmDriver {
     );
     if (memory) {
       a.push('-object', `memory-backend-file,id=mem,size=${spec.memoryMiB}M,mem-path=${memory.file},share=${memory.shared ? 'on' : 'off'}`);
+      machine.push('memory-backend=mem');
+    } else if (vsock) {
+      // vhost-user maps guest RAM into the backend process: it must be shareable.
+      a.push('-object', `memory-backend-memfd,id=mem,size=${spec.memoryMiB}M,share=on`);
       machine.push('memory-backend=mem');
     }
     if (incoming) a.push('-incoming', 'defer');
@@ -158,8 +189,11 @@ class QemuVm implements Vm {
     readonly channelPath: string,
     readonly qmp: QmpClient,
     private readonly console: string[],
+    /** vhost-device-vsock of a vsock VM: it would outlive QEMU, so it goes when QEMU goes. */
+    private readonly backend?: Daemon,
   ) {
     this.exited = daemon.exited.then(({ code, signal }) => ({ code, signal, console: [...console] }));
+    if (backend) void daemon.exited.then(() => backend.stop(300));
   }
 
   get pid(): number {
@@ -179,6 +213,11 @@ class QemuVm implements Vm {
   }
 
   async snapshot(stateFile: string): Promise<{ ms: number; stateBytes: number }> {
+    if (this.spec.channel?.kind === 'vsock') {
+      // Refuse before pausing the guest, quoting QEMU's reasons (query-migrate blocked-reasons).
+      const q = await this.qmp.execute<{ 'blocked-reasons'?: string[] }>('query-migrate').catch(() => undefined);
+      throw vsockSnapshotError(this.spec.id, q?.['blocked-reasons']);
+    }
     const t0 = performance.now();
     await this.qmp.execute('stop');
     await this.qmp.execute('migrate-set-capabilities', { capabilities: MIGRATION_CAPS });
@@ -198,6 +237,7 @@ class QemuVm implements Vm {
     this.destroyed = true;
     this.qmp.close();
     await this.daemon.stop(300);
+    await this.backend?.stop(300);
     rmSync(this.spec.dir, { recursive: true, force: true });
   }
 }

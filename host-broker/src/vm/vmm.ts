@@ -20,6 +20,13 @@ export interface GuestImage {
   cmdline?: readonly string[];
 }
 
+/**
+ * How the broker reaches the guest agent. virtio-serial (the default) survives snapshots;
+ * vsock is Firecracker's hybrid vsock through QEMU's vhost-user-vsock-device, which QEMU
+ * cannot snapshot (see vsock.ts). `port` is the guest's AF_VSOCK port; `cid` defaults to 3.
+ */
+export type AgentChannel = { kind: 'virtio-serial' } | { kind: 'vsock'; port: number; cid?: number };
+
 export interface VmSpec {
   /** Short id: names the runtime directory and tags the process for orphan cleanup. */
   id: string;
@@ -30,6 +37,8 @@ export interface VmSpec {
   cpus: number;
   /** Size of the sparse per-VM swap disk; 0 for none. */
   swapMiB: number;
+  /** Agent channel; default virtio-serial. */
+  channel?: AgentChannel;
 }
 
 export interface MemoryBacking {
@@ -57,7 +66,10 @@ export interface Vm {
   readonly spec: VmSpec;
   readonly pid: number;
   readonly accel: Accel;
-  /** Host Unix socket connected to the agent's virtio-serial port. */
+  /**
+   * Host Unix socket of the agent channel: QEMU's end of the virtio-serial port, or for a
+   * vsock VM the hybrid-vsock socket (connect, then `CONNECT <port>\n`: see vsock.ts).
+   */
   readonly channelPath: string;
   readonly qmp: QmpClient;
   /** Resolves when the VMM process exits, with its last console lines. */
@@ -65,7 +77,10 @@ export interface Vm {
   readonly running: boolean;
   pause(): Promise<void>;
   resume(): Promise<void>;
-  /** Pauses and writes device state; RAM must be shared-file backed. The VM stays paused. */
+  /**
+   * Pauses and writes device state; RAM must be shared-file backed. The VM stays paused.
+   * A vsock VM refuses (HutchError 'unavailable') and keeps running.
+   */
   snapshot(stateFile: string): Promise<{ ms: number; stateBytes: number }>;
   stats(): Promise<VmStats>;
   /** Kills the VMM and removes its runtime directory. */
