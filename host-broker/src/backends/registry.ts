@@ -1,6 +1,5 @@
 import { execFileSync } from 'node:child_process';
-import { homedir } from 'node:os';
-import { join } from 'node:path';
+import { cacheRoot } from '../../../build/cache.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import type { VmBackend } from './backend.ts';
@@ -18,8 +17,9 @@ export interface BackendDeps {
   kernel?: KernelChoice;
 }
 
+/** ~/.cache/hutch (or $HUTCH_CACHE): kernel, rootfs, snapshots. */
 export function cacheDir(): string {
-  return process.env['HUTCH_CACHE'] ?? join(homedir(), '.cache', 'hutch');
+  return cacheRoot();
 }
 
 /** True when QEMU is installed; the guest image is built on first use. */

@@ -1,0 +1,164 @@
+/**
+ * The sandbox lifecycle through a real broker and SDK client, qemu backend.
+ * `npx tsx bench/lifecycle.ts [--json] [--quick]`
+ *
+ *   wake_p50_ms / wake_p99_ms   call arrival to the call starting in a VM restored from the
+ *                               pristine snapshot with the workspace pushed (the broker's wakeMs)
+ *   release_kill_ms             releasing a clean VM (state check + kill)
+ *   release_snapshot_ms         releasing a dirty VM (state check + snapshot into a slot + kill)
+ *   slot_restore_ms             the wake after that: restore from the slot, incremental push
+ *   push_mb_s                   workspace push throughput into a live guest (64 MiB of files)
+ *   idle_host_mib_per_session   broker memory per session that has no VM
+ * Baseline in the same run: restore_ms, the bare restore-to-first-reply of bench/vm.ts.
+ */
+import { mkdtempSync, rmSync, writeFileSync, mkdirSync } from 'node:fs';
+import { randomBytes } from 'node:crypto';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { createLogger } from '../guest-agent/src/log.ts';
+import { Workspace } from '../guest-agent/src/workspace/confine.ts';
+import { WorkspaceSync } from '../guest-agent/src/workspace/sync.ts';
+import { Broker } from '../host-broker/src/broker.ts';
+import { QemuBackend } from '../host-broker/src/backends/qemu-backend.ts';
+import { cacheDir } from '../host-broker/src/backends/registry.ts';
+import { createFastPath } from '../host-broker/src/tools/fastpath-factory.ts';
+import { Hutch, type Sandbox } from '../host-broker/src/sdk/index.ts';
+import { connectAgent } from '../host-broker/src/vm/agent-channel.ts';
+import { WorkspaceMirror } from '../host-broker/src/sync/workspace-mirror.ts';
+import { benchArgs, emit, markdownTable, median, percentile, round } from './lib/report.ts';
+import { prepareWorkspace } from './lib/sessions.ts';
+
+const args = benchArgs();
+const quick = args.argv.includes('--quick');
+const WAKES = quick ? 5 : 20;
+const log = createLogger({ name: 'bench-lifecycle', level: 'warn' });
+const progress = (m: string) => process.stderr.write(`[lifecycle] ${m}\n`);
+const dataDir = mkdtempSync(join(tmpdir(), 'hutch-bench-lifecycle-'));
+const token = randomBytes(12).toString('hex');
+
+const backend = await QemuBackend.create({ dataDir, cacheDir: cacheDir(), log });
+await backend.prepare({ memoryMiB: 512, cpus: 1 });
+const broker = new Broker({ port: 0, token, dataDir, backend, fastPath: await createFastPath(log), log, idleMs: 3_600_000 });
+const port = await broker.start();
+const hutch = await Hutch.connect(`ws://127.0.0.1:${port}`, { token });
+
+async function released(sb: Sandbox): Promise<void> {
+  await sb.hint('idle');
+  for (;;) {
+    const s = (await hutch.sessions()).find((x) => x.session === sb.id);
+    if (!s?.live) return;
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+const lastRelease = (sb: Sandbox) => broker.sessions.get(sb.id).vm.lastRelease;
+
+// Baseline: bare restore to first agent reply, same host, same moment.
+const pristine = await backend.snapshots.pristine(backend.image, { memoryMiB: 512, cpus: 1, swapMiB: 512 });
+const bareRestore: number[] = [];
+for (let i = 0; i < 3; i++) {
+  const t0 = performance.now();
+  const vm = await backend.driver.restore({ id: `base${i}`, dir: join(dataDir, 'vms', `base${i}`), image: backend.image, memoryMiB: 512, cpus: 1, swapMiB: 512 }, pristine);
+  const a = await connectAgent(vm, { timeoutMs: 60_000, log });
+  await a.call('ping', {});
+  bareRestore.push(performance.now() - t0);
+  a.close();
+  await vm.destroy();
+}
+
+// Wakes from the pristine snapshot, with a real project pushed each time.
+const project = join(dataDir, 'project');
+prepareWorkspace('salesreport', project);
+const sb = await hutch.create({ workspace: { dir: project } });
+const wakes: number[] = [];
+const kills: number[] = [];
+const pushed: number[] = [];
+for (let i = 0; i < WAKES; i++) {
+  const r = await sb.run('true', { route: 'vm' });
+  if (!r.woke) throw new Error('expected a wake');
+  wakes.push(r.timing.wakeMs);
+  await released(sb);
+  const rel = lastRelease(sb);
+  if (rel?.decision !== 'kill') throw new Error(`expected a kill release, got ${rel?.decision}`);
+  kills.push(rel.ms);
+}
+progress(`wakes (ms): ${wakes.map((w) => w.toFixed(0)).join(' ')}`);
+
+// Dirty release into a slot, and the wake from it.
+const snaps: number[] = [];
+const slotWakes: number[] = [];
+const slotBytes: number[] = [];
+for (let i = 0; i < (quick ? 2 : 5); i++) {
+  await sb.run(`echo ${i} >> ~/.dirty`, { route: 'vm' });
+  await released(sb);
+  const rel = lastRelease(sb);
+  if (rel?.decision !== 'snapshot') throw new Error(`expected a snapshot release, got ${rel?.decision}: ${rel?.reason}`);
+  snaps.push(rel.ms);
+  slotBytes.push(rel.bytesWritten);
+  const r = await sb.run('cat ~/.dirty | wc -l', { route: 'vm' });
+  if (r.stdout.trim() !== String(i + 1)) throw new Error(`slot restore lost state: ${r.stdout}`);
+  slotWakes.push(r.timing.wakeMs);
+}
+await sb.close();
+progress(`snapshot releases ${snaps.map((x) => x.toFixed(0)).join(' ')} ms; slot wakes ${slotWakes.map((x) => x.toFixed(0)).join(' ')} ms`);
+
+// Push throughput into a live guest: 64 MiB in files of 1 MiB and 64 KiB.
+const big = join(dataDir, 'big');
+mkdirSync(big);
+for (let i = 0; i < 48; i++) writeFileSync(join(big, `m${i}.bin`), randomBytes(1024 * 1024));
+for (let i = 0; i < 256; i++) writeFileSync(join(big, `k${i}.bin`), randomBytes(64 * 1024));
+const vm = await backend.driver.restore({ id: 'push', dir: join(dataDir, 'vms', 'push'), image: backend.image, memoryMiB: 512, cpus: 1, swapMiB: 512 }, pristine);
+const agent = await connectAgent(vm, { timeoutMs: 60_000, log });
+const w = new Workspace(big);
+const ps = await new WorkspaceMirror(w, new WorkspaceSync(w)).push(agent);
+const pushMbS = ps.bytes / 1e6 / (ps.ms / 1000);
+agent.close();
+await vm.destroy();
+progress(`push: ${(ps.bytes / 1e6).toFixed(1)} MB in ${ps.ms.toFixed(0)} ms`);
+
+// Broker memory per session without a VM.
+const idleN = quick ? 50 : 200;
+if (global.gc) global.gc();
+const before = process.memoryUsage().rss;
+const idle: Sandbox[] = [];
+for (let i = 0; i < idleN; i++) idle.push(await hutch.create({ workspace: { files: { 'a.py': 'print(1)\n', 'README.md': '# x\n' } } }));
+await new Promise((r) => setTimeout(r, 1000));
+const perSessionMiB = (process.memoryUsage().rss - before) / idleN / 1024 / 1024;
+for (const s of idle) await s.close();
+
+hutch.close();
+await broker.stop();
+rmSync(dataDir, { recursive: true, force: true });
+
+const summary = {
+  accel: backend.accel,
+  wake_p50_ms: round(median(wakes), 0),
+  wake_p99_ms: round(percentile(wakes, 99), 0),
+  wake_over_restore: round(median(wakes) / median(bareRestore), 2),
+  restore_ms: round(median(bareRestore), 0),
+  release_kill_ms: round(median(kills), 0),
+  release_snapshot_ms: round(median(snaps), 0),
+  slot_restore_ms: round(median(slotWakes), 0),
+  slot_mib_written: round(median(slotBytes) / 1024 / 1024, 1),
+  push_mb_s: round(pushMbS, 1),
+  idle_host_mib_per_session: round(perSessionMiB, 3),
+  wakes: wakes.length,
+};
+emit(
+  `lifecycle: wake, release, slot restore through the broker (${backend.accel}; project salesreport)`,
+  markdownTable([
+    { measure: 'wake p50 / bare restore', value: summary.wake_over_restore, aim: '<= 2' },
+    { measure: 'wake p50 ms (restore + resume + push)', value: summary.wake_p50_ms, aim: '' },
+    { measure: 'wake p99 ms', value: summary.wake_p99_ms, aim: '' },
+    { measure: 'bare restore ms (baseline)', value: summary.restore_ms, aim: '' },
+    { measure: 'release, kill (clean) ms', value: summary.release_kill_ms, aim: '' },
+    { measure: 'release, snapshot slot (dirty) ms', value: summary.release_snapshot_ms, aim: '' },
+    { measure: 'slot MiB written per dirty release', value: summary.slot_mib_written, aim: '' },
+    { measure: 'wake from slot ms', value: summary.slot_restore_ms, aim: '' },
+    { measure: 'push MB/s', value: summary.push_mb_s, aim: '' },
+    { measure: 'broker MiB per idle session (no VM)', value: summary.idle_host_mib_per_session, aim: '' },
+  ]),
+  summary,
+  { wakes_ms: wakes.map((x) => round(x, 0)), kills_ms: kills.map((x) => round(x, 0)), snaps_ms: snaps.map((x) => round(x, 0)), slot_wakes_ms: slotWakes.map((x) => round(x, 0)), bare_restore_ms: bareRestore.map((x) => round(x, 0)) },
+);
+process.exit(0);

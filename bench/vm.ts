@@ -1,0 +1,168 @@
+/**
+ * Cold boot vs pristine-snapshot restore, host memory per restored idle VM, and what the
+ * Python stdlib preload buys a test run. `npx tsx bench/vm.ts [--json] [--quick] [--tb MiB]`
+ *
+ *   cold_boot_ms             QEMU start to the agent's first reply, cold boot
+ *   restore_ms               QEMU start to the agent's first reply, restored from the pristine snapshot
+ *   restore_over_boot        restore_ms / cold_boot_ms
+ *   private_mib_per_idle_vm  median Private (clean+dirty) of 10 restored idle VMs, smaps_rollup
+ *   pss_mib_per_idle_vm      median PSS of the same
+ *   unittest_cpu_ms_preloaded / _cold   guest user+sys CPU of `python3 -m unittest` on datespan,
+ *                            in a restored VM (stdlib preloaded before the snapshot) vs a VM booted
+ *                            with hutch.preload=0 (first run in each)
+ */
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { createLogger } from '../guest-agent/src/log.ts';
+import { Workspace } from '../guest-agent/src/workspace/confine.ts';
+import { WorkspaceSync } from '../guest-agent/src/workspace/sync.ts';
+import { QemuBackend } from '../host-broker/src/backends/qemu-backend.ts';
+import { cacheDir } from '../host-broker/src/backends/registry.ts';
+import type { AgentClient } from '../host-broker/src/agent-client.ts';
+import { connectAgent } from '../host-broker/src/vm/agent-channel.ts';
+import { WorkspaceMirror } from '../host-broker/src/sync/workspace-mirror.ts';
+import type { Vm, VmSpec } from '../host-broker/src/vm/vmm.ts';
+import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
+import { prepareWorkspace } from './lib/sessions.ts';
+
+const args = benchArgs();
+const quick = args.argv.includes('--quick');
+const tbIdx = args.argv.indexOf('--tb');
+const tbMiB = tbIdx > 0 ? Number(args.argv[tbIdx + 1]) : undefined;
+const log = createLogger({ name: 'bench-vm', level: 'warn' });
+const SIZE = { memoryMiB: 512, cpus: 1, swapMiB: 512 };
+const dataDir = mkdtempSync(join(tmpdir(), 'hutch-bench-vm-'));
+const progress = (m: string) => process.stderr.write(`[vm] ${m}\n`);
+
+const t0 = performance.now();
+const backend = await QemuBackend.create({ dataDir, cacheDir: cacheDir(), log, ...(tbMiB ? { tcgTbMiB: tbMiB } : {}) });
+const tPrep = performance.now();
+await backend.prepare(SIZE);
+const pristineMs = performance.now() - tPrep;
+const pristine = await backend.snapshots.pristine(backend.image, SIZE);
+progress(`guest ready (${backend.image.describe}; accel ${backend.accel}) in ${((performance.now() - t0) / 1000).toFixed(1)} s`);
+
+let n = 0;
+const spec = (extra: Partial<VmSpec> = {}): VmSpec => ({ id: `b${n}`, dir: join(dataDir, 'vms', `b${n++}`), image: backend.image, ...SIZE, ...extra });
+
+async function firstReply(start: () => Promise<Vm>, timeoutMs: number): Promise<{ ms: number; vm: Vm; agent: AgentClient }> {
+  const s = performance.now();
+  const vm = await start();
+  const agent = await connectAgent(vm, { timeoutMs, log });
+  await agent.call('ping', {});
+  return { ms: performance.now() - s, vm, agent };
+}
+
+const coldRuns = quick ? 1 : 3;
+const restoreRuns = quick ? 3 : 7;
+const cold: number[] = [];
+for (let i = 0; i < coldRuns; i++) {
+  const r = await firstReply(() => backend.driver.boot(spec()), 300_000);
+  cold.push(r.ms);
+  r.agent.close();
+  await r.vm.destroy();
+  progress(`cold boot ${i + 1}/${coldRuns}: ${r.ms.toFixed(0)} ms`);
+}
+const restore: number[] = [];
+for (let i = 0; i < restoreRuns; i++) {
+  const r = await firstReply(() => backend.driver.restore(spec(), pristine), 60_000);
+  restore.push(r.ms);
+  r.agent.close();
+  await r.vm.destroy();
+}
+progress(`restores: ${restore.map((x) => x.toFixed(0)).join(', ')} ms`);
+
+// Ten idle VMs restored side by side: what each costs the host.
+const idle: Array<{ vm: Vm; agent: AgentClient }> = [];
+for (let i = 0; i < 10; i++) {
+  const r = await firstReply(() => backend.driver.restore(spec(), pristine), 60_000);
+  await r.agent.call('agent.resume', { unixTimeMs: Date.now(), entropy: new Uint8Array(64).map(() => Math.random() * 256) });
+  idle.push({ vm: r.vm, agent: r.agent });
+}
+await new Promise((r) => setTimeout(r, 5000));
+const mem = await Promise.all(idle.map((x) => x.vm.stats()));
+for (const x of idle) {
+  x.agent.close();
+  await x.vm.destroy();
+}
+const privMiB = mem.map((m) => m.privateKiB / 1024);
+const pssMiB = mem.map((m) => m.pssKiB / 1024);
+const rssMiB = mem.map((m) => m.rssKiB / 1024);
+progress(`10 idle VMs: private ${median(privMiB).toFixed(1)} MiB, PSS ${median(pssMiB).toFixed(1)} MiB, RSS ${median(rssMiB).toFixed(1)} MiB each`);
+
+/**
+ * Guest CPU (user+sys, ms) of `python3 -m unittest` on datespan, first and second run, in
+ * a VM restored from a snapshot. Both variants are restores, so both start with QEMU's
+ * translation cache empty (TCG JIT state is host-side and not in the snapshot): the
+ * difference is what the guest-side preload did (page cache, dentries), nothing else.
+ */
+async function unittestCpu(snapshot: typeof pristine, image = backend.image, envPrefix = ''): Promise<{ first: number; second: number; exitCode: number | null }> {
+  const { vm, agent } = await firstReply(() => backend.driver.restore(spec({ image }), snapshot), 60_000);
+  try {
+    await agent.call('agent.resume', { unixTimeMs: Date.now(), entropy: new Uint8Array(64).fill(7) });
+    const ws = join(dataDir, `datespan-${vm.spec.id}`);
+    prepareWorkspace('datespan', ws);
+    const w = new Workspace(ws);
+    await new WorkspaceMirror(w, new WorkspaceSync(w)).push(agent);
+    const cpu: number[] = [];
+    let exitCode: number | null = null;
+    for (let i = 0; i < 2; i++) {
+      const r = await agent.run({ command: `TIMEFORMAT="%3U %3S"; { time ${envPrefix}python3 -m unittest >/dev/null 2>&1; } 2>&1; exit 0` });
+      const [u, s] = r.stdoutText.trim().split(/\s+/).map(Number);
+      cpu.push(((u ?? NaN) + (s ?? NaN)) * 1000);
+      exitCode = r.exitCode;
+    }
+    return { first: cpu[0] as number, second: cpu[1] as number, exitCode };
+  } finally {
+    agent.close();
+    await vm.destroy();
+  }
+}
+const preloaded = await unittestCpu(pristine);
+const coldImage = { ...backend.image, cmdline: [...(backend.image.cmdline ?? []), 'hutch.preload=0'] };
+const coldPristine = await backend.snapshots.pristine({ ...coldImage, key: backend.image.key }, SIZE);
+const coldPy = await unittestCpu(coldPristine, coldImage);
+// And with no bytecode at all (what a guest without the build-time compile would pay):
+// Python compiles every stdlib module it imports from source, and cannot save the result.
+const noPyc = await unittestCpu(coldPristine, coldImage, 'PYTHONDONTWRITEBYTECODE=1 PYTHONPYCACHEPREFIX=/nonexistent ');
+progress(`unittest CPU (first/second run): preloaded ${preloaded.first.toFixed(0)}/${preloaded.second.toFixed(0)} ms, no preload ${coldPy.first.toFixed(0)}/${coldPy.second.toFixed(0)} ms, no bytecode ${noPyc.first.toFixed(0)}/${noPyc.second.toFixed(0)} ms`);
+await backend.shutdown();
+rmSync(dataDir, { recursive: true, force: true });
+
+const summary = {
+  accel: backend.accel,
+  restore_over_boot: round(median(restore) / median(cold), 3),
+  cold_boot_ms: round(median(cold), 0),
+  restore_ms: round(median(restore), 0),
+  private_mib_per_idle_vm: round(median(privMiB), 1),
+  pss_mib_per_idle_vm: round(median(pssMiB), 1),
+  rss_mib_per_idle_vm: round(median(rssMiB), 1),
+  unittest_cpu_ms_preloaded: round(preloaded.first, 0),
+  unittest_cpu_ms_cold: round(coldPy.first, 0),
+  unittest_cpu_ratio: round(preloaded.first / coldPy.first, 2),
+  unittest_cpu_ms_preloaded_second_run: round(preloaded.second, 0),
+  unittest_cpu_ms_cold_second_run: round(coldPy.second, 0),
+  unittest_cpu_ms_no_bytecode: round(noPyc.first, 0),
+  tcg_tb_mib: tbMiB ?? 64,
+  pristine_build_ms: backend.image.built.kernelSeconds || backend.image.built.rootfsSeconds || pristineMs > 5000 ? round(pristineMs, 0) : 0,
+  ...(backend.image.built.kernelSeconds ? { kernel_build_s: round(backend.image.built.kernelSeconds, 0) } : {}),
+  ...(backend.image.built.rootfsSeconds ? { rootfs_build_s: round(backend.image.built.rootfsSeconds, 0) } : {}),
+};
+emit(
+  `vm: cold boot vs pristine restore (${backend.accel}; ${backend.image.describe})`,
+  markdownTable([
+    { measure: 'restore / cold boot', value: summary.restore_over_boot, aim: '<= 0.05' },
+    { measure: 'cold boot to first agent reply (ms, median)', value: summary.cold_boot_ms, aim: '' },
+    { measure: 'restore to first agent reply (ms, median)', value: summary.restore_ms, aim: '' },
+    { measure: 'private MiB per idle VM (10 restored)', value: summary.private_mib_per_idle_vm, aim: '<= 40' },
+    { measure: 'PSS MiB per idle VM (10 restored)', value: summary.pss_mib_per_idle_vm, aim: '' },
+    { measure: 'unittest guest CPU ms, preloaded', value: summary.unittest_cpu_ms_preloaded, aim: '' },
+    { measure: 'unittest guest CPU ms, no preload (image bytecode only)', value: summary.unittest_cpu_ms_cold, aim: 'preload <= half' },
+    { measure: 'unittest guest CPU ms, no bytecode cache at all', value: summary.unittest_cpu_ms_no_bytecode, aim: '' },
+  ]),
+  summary,
+  { cold_ms: cold.map((x) => round(x, 0)), restore_ms: restore.map((x) => round(x, 0)), private_mib: privMiB.map((x) => round(x, 1)), pss_mib: pssMiB.map((x) => round(x, 1)), unittest: { preloaded, cold: coldPy } },
+);
+process.exit(0);
