@@ -9,6 +9,8 @@ import { FileTools } from './workspace/file-tools.ts';
 import { WorkspaceSync } from './workspace/sync.ts';
 import { resumeAfterRestore } from './resume.ts';
 import { guestState } from './guest-state.ts';
+import { memoryHandlers } from './memory/handlers.ts';
+import { telemetryHandlers } from './telemetry/handlers.ts';
 
 export interface AgentOptions {
   /** Workspace root on this machine (/work in the guest). */
@@ -102,6 +104,8 @@ export class Agent {
         await output.flushed();
         return { bytes };
       },
+      ...memoryHandlers({ workloadCgroup: this.opts.workloadCgroup }),
+      ...telemetryHandlers({ workloadCgroup: this.opts.workloadCgroup }),
     };
   }
 

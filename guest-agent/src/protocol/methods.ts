@@ -1,4 +1,6 @@
 import { z } from 'zod';
+import { MEMORY_METHODS } from './methods-memory.ts';
+import { TELEMETRY_EVENTS, TELEMETRY_METHODS } from './methods-telemetry.ts';
 
 /**
  * RPC methods and pushed events of the agent protocol: the single definition both the
@@ -237,6 +239,8 @@ export const METHODS = {
   'agent.state': { params: StateParamsSchema, result: StateResultSchema },
   /** Copies one inbound stream to one outbound stream: protocol tests and the throughput bench. */
   'debug.echo': { params: DebugEchoParamsSchema, result: DebugEchoResultSchema },
+  ...MEMORY_METHODS,
+  ...TELEMETRY_METHODS,
 } as const;
 
 export type MethodName = keyof typeof METHODS;
@@ -253,6 +257,7 @@ export const EVENTS = {
   log: z.object({ level: z.enum(['debug', 'info', 'warn', 'error']), msg: z.string(), fields: z.record(z.string(), z.unknown()).optional() }),
   /** The agent finished starting (or resumed after a restore) and serves calls. */
   ready: z.object({ pid: z.number().int(), bootMs: z.number().optional() }),
+  ...TELEMETRY_EVENTS,
 } as const;
 export type EventName = keyof typeof EVENTS;
 export type EventData<E extends EventName> = z.infer<(typeof EVENTS)[E]>;
