@@ -90,6 +90,11 @@ export class Admission {
   }
 
   /** Reserves memory for a VM about to wake; the returned function gives it back. */
+  /** Budget not yet reserved by live VMs, MiB. */
+  get freeMiB(): number {
+    return Math.max(0, this.opts.memoryBudgetMiB - this.reservedMiB);
+  }
+
   async reserveMemory(mib: number, session: string): Promise<() => void> {
     if (mib > this.opts.memoryBudgetMiB) {
       throw new HutchError('too_large', `session ${session} asks for ${mib} MiB, above the host memory budget of ${this.opts.memoryBudgetMiB} MiB`, { session, mib });

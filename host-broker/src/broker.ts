@@ -11,6 +11,7 @@ import type { FastPathRunner } from './tools/fastpath-runner.ts';
 import { Admission, type AdmissionOptions } from './admission.ts';
 import { BrokerMetrics } from './metrics.ts';
 import { availableParallelism, totalmem } from 'node:os';
+import { DEFAULT_POLICY, type SandboxPolicy } from './policy/sandbox-policy.ts';
 
 export interface BrokerOptions {
   port: number;
@@ -22,8 +23,10 @@ export interface BrokerOptions {
   log: Logger;
   /** Largest file the file tools read or write (default 64 MiB). */
   maxFileBytes?: number;
-  /** Release a session's VM after this long without a VM call (default 5 s). */
+  /** Release a session's VM after this long without a VM call (default 5 s); overrides policy.idleMs. */
   idleMs?: number;
+  /** Routing, wake and release policy (default: level 4 with the cost model). */
+  policy?: Partial<SandboxPolicy>;
   admission?: Partial<AdmissionOptions>;
 }
 
@@ -52,11 +55,13 @@ export class Broker {
   readonly sessions: SessionManager;
   readonly metrics = new BrokerMetrics();
   readonly admission: Admission;
+  readonly policy: SandboxPolicy;
   private server: WsServer | undefined;
   port = 0;
 
   constructor(private readonly opts: BrokerOptions) {
     mkdirSync(opts.dataDir, { recursive: true });
+    this.policy = { ...DEFAULT_POLICY, ...opts.policy, ...(opts.idleMs !== undefined ? { idleMs: opts.idleMs } : {}) };
     this.admission = new Admission({ ...defaultAdmission(), ...opts.admission });
     this.sessions = new SessionManager(
       opts.dataDir,
@@ -66,7 +71,7 @@ export class Broker {
         admission: this.admission,
         metrics: this.metrics,
         log: opts.log,
-        idleMs: opts.idleMs ?? 5000,
+        policy: this.policy,
         ...(opts.maxFileBytes ? { maxFileBytes: opts.maxFileBytes } : {}),
       },
       opts.log,
@@ -101,7 +106,7 @@ export class Broker {
       },
     });
     this.port = await this.server.listen();
-    this.opts.log.info('broker.listening', { port: this.port, backend: this.opts.backend.name, isolation: this.opts.backend.isolation, adoptedSessions: adopted });
+    this.opts.log.info('broker.listening', { port: this.port, backend: this.opts.backend.name, isolation: this.opts.backend.isolation, policy: this.policy, adoptedSessions: adopted });
     return this.port;
   }
 

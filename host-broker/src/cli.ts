@@ -12,6 +12,7 @@ import { Broker } from './broker.ts';
 import { cacheDir, createBackend, BACKEND_NAMES } from './backends/registry.ts';
 import { QemuBackend } from './backends/qemu-backend.ts';
 import { createFastPath } from './tools/fastpath-factory.ts';
+import { LEVEL_NAMES, policyForLevel, type SandboxPolicy } from './policy/sandbox-policy.ts';
 
 const HELP = `hutch: sandboxes for AI agents, packed densely on one host
 
@@ -25,6 +26,11 @@ serve options:
   --token T         bearer token harnesses must present (default: env HUTCH_TOKEN, else generated and printed)
   --data-dir D      sessions and their workspaces (default: env HUTCH_DATA, else ~/.local/state/hutch)
   --backend B       where VM-routed calls run: ${BACKEND_NAMES.join(' | ')} (default: qemu when it works here, else local)
+  --level L         policy preset: ${LEVEL_NAMES.join(' | ')} (default 4: routing, snapshot restore, 5 s release, cost model)
+                    1 = a booted VM per session, never released; 2 = killed after 30 s idle, cold boot;
+                    3 = snapshot restore without routing; reclaim/prefetch = keep idle VMs, reclaim memory
+  --idle-ms N       release a VM after N ms without a VM call (overrides the level; 0 = never)
+  --idle-policy P   auto | kill | snapshot | reclaim (overrides the level)
   --log-level L     debug | info | warn | error (default info)
   -h, --help        this text
 `;
@@ -35,6 +41,7 @@ export interface ServeOptions {
   token: string;
   dataDir: string;
   backend?: string;
+  policy?: Partial<SandboxPolicy>;
   log: Logger;
 }
 
@@ -42,9 +49,25 @@ export interface ServeOptions {
 export async function serve(o: ServeOptions): Promise<Broker> {
   const backend = await createBackend(o.backend, { log: o.log, dataDir: o.dataDir });
   const fastPath = await createFastPath(o.log);
-  const broker = new Broker({ port: o.port, host: o.host, token: o.token, dataDir: o.dataDir, backend, fastPath, log: o.log });
+  const broker = new Broker({ port: o.port, host: o.host, token: o.token, dataDir: o.dataDir, backend, fastPath, log: o.log, ...(o.policy ? { policy: o.policy } : {}) });
   await broker.start();
   return broker;
+}
+
+/** --level, then --idle-ms and --idle-policy on top, each checked. */
+export function policyFromFlags(level: string | undefined, idleMs: string | undefined, idlePolicy: string | undefined): SandboxPolicy {
+  const p = policyForLevel(level ?? '4');
+  if (idleMs !== undefined) {
+    const n = Number(idleMs);
+    if (!Number.isInteger(n) || n < 0) throw new HutchError('bad_request', `--idle-ms must be a whole number of milliseconds >= 0, got ${JSON.stringify(idleMs)}`);
+    p.idleMs = n === 0 ? null : n;
+  }
+  if (idlePolicy !== undefined) {
+    const allowed = ['auto', 'kill', 'snapshot', 'reclaim'] as const;
+    if (!(allowed as readonly string[]).includes(idlePolicy)) throw new HutchError('bad_request', `--idle-policy must be one of ${allowed.join(', ')}, got ${JSON.stringify(idlePolicy)}`);
+    p.idlePolicy = idlePolicy as SandboxPolicy['idlePolicy'];
+  }
+  return p;
 }
 
 /** Builds what the qemu backend needs, so the first tenant does not wait for it. */
@@ -82,6 +105,9 @@ async function main(): Promise<void> {
       token: { type: 'string' },
       'data-dir': { type: 'string' },
       backend: { type: 'string' },
+      level: { type: 'string' },
+      'idle-ms': { type: 'string' },
+      'idle-policy': { type: 'string' },
       'log-level': { type: 'string' },
       help: { type: 'boolean', short: 'h' },
     },
@@ -99,6 +125,7 @@ async function main(): Promise<void> {
     token,
     dataDir,
     ...(values.backend ? { backend: values.backend } : {}),
+    policy: policyFromFlags(values.level, values['idle-ms'], values['idle-policy']),
     log,
   });
   process.stdout.write(`hutch broker on ws://${values.host}:${broker.port}  token ${values.token || process.env['HUTCH_TOKEN'] ? '(as given)' : token}  data ${dataDir}\n`);

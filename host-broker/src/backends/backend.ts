@@ -58,13 +58,49 @@ export interface SyncedExecResult extends ExecResult {
   pulledBytes: number;
 }
 
+/** What a call made against the agent returned, with the workspace traffic it caused. */
+export interface Synced<T> {
+  value: T;
+  pushedBytes: number;
+  pulledBytes: number;
+}
+
+export interface StartOptions {
+  /** Restore this slot (the session's last dirty state) instead of the pristine snapshot. */
+  from?: SlotRef | undefined;
+  /** Boot the kernel cold instead of restoring a snapshot (the published levels 1 and 2). */
+  coldBoot?: boolean;
+}
+
+export interface ReclaimInfo {
+  ms: number;
+  /** Bytes the guest moved out of RAM (into zswap or swap). */
+  reclaimedBytes: number;
+  detail?: Record<string, unknown>;
+}
+
+export interface PrefetchInfo {
+  ms: number;
+  pages: number;
+  bytes: number;
+}
+
 export interface Sandbox {
   readonly spec: SandboxSpec;
   readonly agent: AgentClient;
   /** Makes the guest's workspace current (pushing host changes), runs, pulls changes back. */
   exec(req: SandboxExecRequest, hostChanges: HostChanges): Promise<SyncedExecResult>;
+  /**
+   * The same around any agent call: push host changes, run `fn` against the agent, pull
+   * the guest's changes back (file tools when routing is off).
+   */
+  synced<T>(fn: (agent: AgentClient) => Promise<T>, hostChanges: HostChanges): Promise<Synced<T>>;
   /** What the guest changed outside the workspace, for the release decision. */
   state(): Promise<GuestState>;
+  /** Reclaims the idle guest's memory into zswap/swap, keeping the VM; absent when the guest cannot. */
+  reclaim?(opts: { hotSetLast: boolean }): Promise<ReclaimInfo>;
+  /** Reads the last call's activation set back in (MADV_WILLNEED) ahead of the next call. */
+  prefetch?(): Promise<PrefetchInfo>;
   /** Writes a snapshot of the VM into `dir` (RAM + devices + workspace manifest), then stops it. */
   suspend?(dir: string): Promise<{ bytes: number; ms: number; slot: SlotRef }>;
   /**
@@ -88,8 +124,8 @@ export interface VmBackend {
   readonly canSuspend: boolean;
   /** The current pristine snapshot's key (slots based on another one are stale). */
   pristineKey?(spec: SandboxSpec): Promise<string>;
-  /** Starts a sandbox, from a slot when given (the session's last dirty state), else fresh. */
-  start(spec: SandboxSpec, from?: SlotRef): Promise<{ sandbox: Sandbox; wake: WakeInfo }>;
+  /** Starts a sandbox: from a slot when given (the session's last dirty state), else fresh. */
+  start(spec: SandboxSpec, opts?: StartOptions): Promise<{ sandbox: Sandbox; wake: WakeInfo }>;
   /** Stops every sandbox and removes what the backend left on disk. */
   shutdown(): Promise<void>;
 }

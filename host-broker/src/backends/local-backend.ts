@@ -7,7 +7,7 @@ import type { Logger } from '../../../guest-agent/src/log.ts';
 import { AgentClient } from '../agent-client.ts';
 import { startDaemon, type Daemon } from '../util/daemon.ts';
 import { waitForSocket } from '../util/wait-for-socket.ts';
-import type { GuestState, Sandbox, SandboxExecRequest, SandboxSpec, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
+import type { GuestState, Sandbox, SandboxExecRequest, SandboxSpec, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
 
 /**
  * The `local` backend: the real guest agent as a host process, inside bubblewrap with
@@ -93,8 +93,13 @@ class LocalSandbox implements Sandbox {
   }
 
   async exec(req: SandboxExecRequest): Promise<SyncedExecResult> {
+    const r = await this.synced((agent) => agent.exec(req).result);
+    return { ...r.value, pushedBytes: 0, pulledBytes: 0 };
+  }
+
+  async synced<T>(fn: (agent: AgentClient) => Promise<T>): Promise<Synced<T>> {
     // The workspace is bind-mounted: nothing to push or pull.
-    return { ...(await this.agent.exec(req).result), pushedBytes: 0, pulledBytes: 0 };
+    return { value: await fn(this.agent), pushedBytes: 0, pulledBytes: 0 };
   }
 
   /** Home lives on the host and survives the process: killing loses nothing. */

@@ -17,7 +17,7 @@ import { cleanupOrphans } from '../vm/orphans.ts';
 import { QemuDriver } from '../vm/qemu-driver.ts';
 import { SnapshotStore } from '../vm/snapshot-store.ts';
 import type { Accel, Vm } from '../vm/vmm.ts';
-import type { GuestState, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
+import type { GuestState, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
 
 export interface QemuBackendOptions {
   dataDir: string;
@@ -84,21 +84,21 @@ export class QemuBackend implements VmBackend {
     return this.snapshots.key(this.image, this.size(spec));
   }
 
-  async start(spec: SandboxSpec, from?: SlotRef): Promise<{ sandbox: Sandbox; wake: WakeInfo }> {
+  async start(spec: SandboxSpec, opts: StartOptions = {}): Promise<{ sandbox: Sandbox; wake: WakeInfo }> {
     const t0 = performance.now();
+    const { from } = opts;
     const size = this.size(spec);
     const pristine = await this.snapshots.pristine(this.image, size);
     if (from && from.pristineKey !== pristine.meta.key) {
       throw new HutchError('unavailable', `snapshot slot ${from.dir} was taken from another pristine snapshot (${from.pristineKey}); it cannot be restored`, { slot: from.dir });
     }
-    const vm = await this.driver.restore(
-      { id: spec.session, dir: join(this.runRoot, spec.session), image: this.image, ...size },
-      { memory: pristine.memory, state: from ? from.state : pristine.state },
-    );
+    const vmSpec = { id: spec.session, dir: join(this.runRoot, spec.session), image: this.image, ...size };
+    const vm = opts.coldBoot && !from ? await this.driver.boot(vmSpec) : await this.driver.restore(vmSpec, { memory: pristine.memory, state: from ? from.state : pristine.state });
     const restoreMs = performance.now() - t0;
     let agent: AgentClient | undefined;
     try {
-      agent = await connectAgent(vm, { timeoutMs: 60_000, log: this.opts.log, resume: true });
+      // A cold-booted guest's agent waits for the broker's hello; its clock and RNG are fresh.
+      agent = await connectAgent(vm, { timeoutMs: opts.coldBoot ? 300_000 : 60_000, log: this.opts.log, resume: !opts.coldBoot });
       const hostWs = new Workspace(spec.workspaceDir);
       const mirror = new WorkspaceMirror(hostWs, new WorkspaceSync(hostWs));
       // From a slot the guest already holds the workspace as it was: push only the difference.
@@ -108,7 +108,7 @@ export class QemuBackend implements VmBackend {
       const sandbox = new QemuSandbox(spec, vm, agent, mirror, marker, this.opts.maxFileBytes ?? 256 * 1024 * 1024, pristine.meta.key, this.opts.log, () => this.sandboxes.delete(sandbox));
       this.sandboxes.add(sandbox);
       const wakeMs = performance.now() - t0;
-      const how = from ? 'slot-restore' : 'pristine-restore';
+      const how = from ? 'slot-restore' : opts.coldBoot ? 'cold-boot' : 'pristine-restore';
       this.opts.log.info('vm.woke', { session: spec.session, how, wakeMs: Math.round(wakeMs), restoreMs: Math.round(restoreMs), pushedFiles: pushed.files, pushedBytes: pushed.bytes });
       return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs } };
     } catch (err) {
@@ -151,6 +151,11 @@ class QemuSandbox implements Sandbox {
   }
 
   async exec(req: SandboxExecRequest, hostChanges: HostChanges): Promise<SyncedExecResult> {
+    const r = await this.synced((agent) => agent.exec(req).result, hostChanges);
+    return { ...r.value, pushedBytes: r.pushedBytes, pulledBytes: r.pulledBytes };
+  }
+
+  async synced<T>(fn: (agent: AgentClient) => Promise<T>, hostChanges: HostChanges): Promise<Synced<T>> {
     let pushedBytes = 0;
     if (hostChanges.kind !== 'none') {
       const pushed = await this.guard(() => this.mirror.push(this.agent, hostChanges.kind === 'paths' ? hostChanges.paths : undefined));
@@ -158,15 +163,28 @@ class QemuSandbox implements Sandbox {
       // What we just pushed must not come back as a guest change.
       this.marker = (await this.guard(() => this.agent.call('sync.mark', {}))).marker;
     }
-    const r = await this.guard(() => this.agent.exec(req).result);
-    // Pull even when the command failed: a failing test run may still have written files.
+    let value: T;
+    try {
+      value = await this.guard(() => fn(this.agent));
+    } catch (err) {
+      // Pull even when the call failed: it may have written files before failing. (A dead
+      // guest has nothing to pull; the call's error is the one the caller must see.)
+      if (this.vm.running) await this.pullBack().catch(() => undefined);
+      throw err;
+    }
+    const pulledBytes = await this.pullBack();
+    return { value, pushedBytes, pulledBytes };
+  }
+
+  /** Pulls what the guest changed in /work since the marker; returns the bytes pulled. */
+  private async pullBack(): Promise<number> {
     const pulled = await this.guard(() => this.mirror.pull(this.agent, this.marker, this.maxFileBytes));
     this.marker = pulled.marker;
     if (pulled.stats.failed.length) this.log.warn('sync.pull_failed', { session: this.spec.session, failed: pulled.stats.failed.slice(0, 5) });
     if (pulled.stats.skipped.length) this.log.warn('sync.pull_skipped', { session: this.spec.session, skipped: pulled.stats.skipped.slice(0, 5) });
     const st = await this.guard(() => this.agent.call('agent.state', { maxPaths: 200 }));
     this.home = st.dirtyPaths.filter((p) => p.startsWith(GUEST_HOME)).map((p) => p.slice(GUEST_HOME.length));
-    return { ...r, pushedBytes, pulledBytes: pulled.stats.bytes };
+    return pulled.stats.bytes;
   }
 
   async state(): Promise<GuestState> {

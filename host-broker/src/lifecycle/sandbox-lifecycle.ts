@@ -5,16 +5,19 @@ import type { Logger } from '../../../guest-agent/src/log.ts';
 import type { Admission } from '../admission.ts';
 import type { Sandbox, SandboxSpec, SlotRef, VmBackend, WakeInfo } from '../backends/backend.ts';
 import type { BrokerMetrics } from '../metrics.ts';
+import type { SandboxPolicy } from '../policy/sandbox-policy.ts';
+import { chooseRelease, type ReleaseDecision } from './release-policy.ts';
 import { HostChangeTracker, type HostChanges } from '../sync/host-changes.ts';
 import { SerialQueue } from '../util/serial-queue.ts';
 import { SnapshotSlots } from './snapshot-slots.ts';
 
 export interface LifecycleOptions {
-  /** Release a VM this long after its last call (ms). */
-  idleMs: number;
+  policy: SandboxPolicy;
+  /** Sequential write bandwidth snapshots get, MiB/s (the cost model's disk figure). */
+  diskMiBps?: number;
 }
 
-export type ReleaseDecision = 'kill' | 'snapshot';
+export type { ReleaseDecision } from './release-policy.ts';
 
 export interface ReleaseRecord {
   decision: ReleaseDecision;
@@ -33,9 +36,10 @@ export interface VmCallOutcome<T> {
 /**
  * One session's VM over time: none until a call needs it (wake on call), live while
  * calls come, released after an idle window. Release kills the VM when nothing outside
- * /work and /tmp changed (the host owns the workspace and pushes it back on the next
- * wake), and otherwise snapshots it into one of two alternating slots first, so the next
- * wake restores exactly that state.
+ * /work and /tmp changed and no process is alive (the host owns the workspace and pushes
+ * it back on the next wake); otherwise it snapshots it into one of two alternating slots
+ * (the next wake restores exactly that state) or keeps it and reclaims its memory (the
+ * next wake prefetches what the last call touched). release-policy.ts decides.
  *
  * VM calls and releases are serialised by a lock of their own, so file tools and
  * fast-path calls of the session never wait for a release to finish.
@@ -50,6 +54,11 @@ export class SandboxLifecycle {
   private readonly slots: SnapshotSlots;
   readonly hostChanges: HostChangeTracker;
   private closed = false;
+  /** The live VM's memory was reclaimed at its last release: the next call is a wake from reclaim. */
+  private reclaimed = false;
+  private idleSince: number | undefined;
+  private idleTotalMs = 0;
+  private idlePeriods = 0;
   lastRelease: ReleaseRecord | undefined;
 
   constructor(
@@ -79,7 +88,8 @@ export class SandboxLifecycle {
     return this.lock.run(async () => {
       if (this.closed) throw new HutchError('not_found', `session ${this.spec.session} is closed`);
       this.cancelIdle();
-      const wake = this.sandbox ? { wakeMs: 0, woke: false, how: 'live' } : await this.wake();
+      this.noteActive();
+      const wake = this.sandbox ? await this.resumeLive() : await this.wake();
       const sb = this.sandbox as Sandbox;
       const t0 = performance.now();
       const done = await this.admission.vmCalls.acquire(this.admission.opts.queueTimeoutMs);
@@ -124,6 +134,23 @@ export class SandboxLifecycle {
     await this.hostChanges.close();
   }
 
+  /** A live VM: nothing to do, unless it was reclaimed, then prefetch what its last call touched. */
+  private async resumeLive(): Promise<WakeInfo> {
+    if (!this.reclaimed) return { wakeMs: 0, woke: false, how: 'live' };
+    this.reclaimed = false;
+    const sb = this.sandbox as Sandbox;
+    if (!this.opts.policy.prefetch || !sb.prefetch) return { wakeMs: 0, woke: true, how: 'reclaimed' };
+    const t0 = performance.now();
+    try {
+      const p = await sb.prefetch();
+      this.log.info('vm.prefetched', { pages: p.pages, bytes: p.bytes, ms: Math.round(p.ms) });
+    } catch (err) {
+      // A failed prefetch only costs speed: the call faults its pages in instead.
+      this.log.warn('vm.prefetch_failed', { error: (err as Error).message });
+    }
+    return { wakeMs: performance.now() - t0, woke: true, how: 'reclaimed-prefetch' };
+  }
+
   private async wake(): Promise<WakeInfo> {
     const t0 = performance.now();
     const doneWake = await this.admission.wakes.acquire(this.admission.opts.queueTimeoutMs);
@@ -152,47 +179,63 @@ export class SandboxLifecycle {
   }
 
   private async startFromBestSlot(): Promise<{ sandbox: Sandbox; wake: WakeInfo }> {
-    const candidates: Array<SlotRef | undefined> = [this.slots.current(), this.slots.previous()].filter((s) => s !== undefined);
+    const candidates: SlotRef[] = [this.slots.current(), this.slots.previous()].filter((s) => s !== undefined);
     for (const slot of candidates) {
       try {
-        return await this.backend.start(this.spec, slot);
+        return await this.backend.start(this.spec, { from: slot });
       } catch (err) {
         this.log.error('vm.slot_restore_failed', { slot: slot?.dir, error: (err as Error).message });
       }
     }
     if (candidates.length) this.log.error('vm.slot_state_lost', { session: this.spec.session, note: 'no snapshot slot restored; starting from the pristine snapshot (changes outside /work and /tmp are lost)' });
-    return this.backend.start(this.spec);
+    return this.backend.start(this.spec, { coldBoot: this.opts.policy.wake === 'cold-boot' });
   }
 
   private async releaseLocked(why: string): Promise<ReleaseRecord | undefined> {
     const sb = this.sandbox;
-    if (!sb) return undefined;
-    this.retiring = sb;
+    if (!sb || this.reclaimed) return undefined;
     const t0 = performance.now();
     let record: ReleaseRecord;
+    let keep = false;
     try {
       const st = await sb.state();
-      if (st.dirty && this.backend.canSuspend && sb.suspend) {
+      const choice = chooseRelease(this.opts.policy, {
+        dirty: st.dirty,
+        dirtyPaths: st.dirtyPaths,
+        processes: st.processes,
+        canSuspend: this.backend.canSuspend && sb.suspend !== undefined,
+        canReclaim: sb.reclaim !== undefined,
+        memoryMiB: this.spec.memoryMiB,
+        budgetFreeMiB: this.admission.freeMiB,
+        meanIdleMs: this.idlePeriods ? this.idleTotalMs / this.idlePeriods : undefined,
+        diskMiBps: this.opts.diskMiBps ?? DEFAULT_DISK_MIBPS,
+      });
+      const reason = `${why}: ${choice.reason}`;
+      if (choice.decision === 'snapshot' && sb.suspend) {
+        this.retiring = sb;
         const suspend = sb.suspend.bind(sb);
         const slot = await this.slots.write(async (dir) => (await suspend(dir)).slot);
-        record = {
-          decision: 'snapshot',
-          reason: `${why}: changed outside /work and /tmp (${st.dirtyPaths.slice(0, 3).join(', ')}${st.dirtyPaths.length > 3 ? ', ...' : ''}), kept in slot ${slot.dir.slice(-1)}`,
-          ms: performance.now() - t0,
-          bytesWritten: dirSize(slot),
-        };
+        record = { decision: 'snapshot', reason: `${reason}; kept in slot ${slot.dir.slice(-1)}`, ms: performance.now() - t0, bytesWritten: dirSize(slot) };
+      } else if (choice.decision === 'reclaim' && sb.reclaim) {
+        const r = await sb.reclaim({ hotSetLast: false });
+        keep = true;
+        record = { decision: 'reclaim', reason: `${reason}; ${(r.reclaimedBytes / 1048576).toFixed(1)} MiB reclaimed`, ms: performance.now() - t0, bytesWritten: r.reclaimedBytes };
       } else {
+        this.retiring = sb;
         await sb.close();
-        record = { decision: 'kill', reason: `${why}: nothing changed outside /work and /tmp; the host workspace is the whole state`, ms: performance.now() - t0, bytesWritten: 0 };
+        record = { decision: 'kill', reason, ms: performance.now() - t0, bytesWritten: 0 };
       }
     } catch (err) {
       // A release that fails (disk full while writing a slot) must not keep the VM alive
       // forever nor damage the previous slot: the slot writer already cleaned its temp dir.
+      this.retiring = sb;
       await sb.close().catch(() => undefined);
-      record = { decision: 'kill', reason: `${why}: snapshot failed (${(err as Error).message}); VM killed, the last good slot is kept`, ms: performance.now() - t0, bytesWritten: 0 };
+      keep = false;
+      record = { decision: 'kill', reason: `${why}: release failed (${(err as Error).message}); VM killed, the last good slot is kept`, ms: performance.now() - t0, bytesWritten: 0 };
       this.log.error('vm.release_failed', { error: (err as Error).message });
     }
-    this.forget();
+    if (keep) this.reclaimed = true;
+    else this.forget();
     this.lastRelease = record;
     this.metrics?.releases.inc({ decision: record.decision });
     this.metrics?.releaseSeconds.observe({ decision: record.decision }, record.ms / 1000);
@@ -213,6 +256,7 @@ export class SandboxLifecycle {
   private forget(): void {
     if (!this.sandbox) return;
     this.sandbox = undefined;
+    this.reclaimed = false;
     this.releaseMemory?.();
     this.releaseMemory = undefined;
     this.metrics?.liveVms.dec();
@@ -221,9 +265,19 @@ export class SandboxLifecycle {
 
   private scheduleIdle(): void {
     this.cancelIdle();
-    if (!this.sandbox || this.closed) return;
-    this.idleTimer = setTimeout(() => void this.release('idle').catch((err: unknown) => this.log.error('vm.release_error', { error: (err as Error).message })), this.opts.idleMs);
+    this.idleSince = performance.now();
+    const idleMs = this.opts.policy.idleMs;
+    if (!this.sandbox || this.closed || idleMs === null) return;
+    this.idleTimer = setTimeout(() => void this.release('idle').catch((err: unknown) => this.log.error('vm.release_error', { error: (err as Error).message })), idleMs);
     this.idleTimer.unref();
+  }
+
+  /** Idle periods feed the cost model: how much snapshot traffic per period is affordable. */
+  private noteActive(): void {
+    if (this.idleSince === undefined) return;
+    this.idleTotalMs += performance.now() - this.idleSince;
+    this.idlePeriods++;
+    this.idleSince = undefined;
   }
 
   private cancelIdle(): void {
@@ -231,6 +285,9 @@ export class SandboxLifecycle {
     this.idleTimer = undefined;
   }
 }
+
+/** A SATA SSD's sequential write speed as measured here (~293 MB/s). */
+const DEFAULT_DISK_MIBPS = 280;
 
 function dirSize(slot: SlotRef): number {
   try {

@@ -13,6 +13,8 @@ import { routeCommand } from '../router/index.ts';
 import { SerialQueue } from '../util/serial-queue.ts';
 import type { FastPathRunner } from '../tools/fastpath-runner.ts';
 import { parseToolArgs, runFileTool } from '../tools/file-calls.ts';
+import { agentFileTools } from '../tools/agent-file-tools.ts';
+import type { SandboxPolicy } from '../policy/sandbox-policy.ts';
 
 export interface SessionMeta {
   id: string;
@@ -34,8 +36,8 @@ export interface SessionDeps {
   metrics?: BrokerMetrics;
   log: Logger;
   maxFileBytes?: number;
-  /** Release a session's VM after this long without a VM call. */
-  idleMs: number;
+  /** Routing, wake and release policy (levels). */
+  policy: SandboxPolicy;
 }
 
 /** Default per-stream output kept in a bash result; everything is still streamed. */
@@ -64,7 +66,7 @@ export class Session {
   ) {
     this.files = new FileTools(new Workspace(workspaceDir), deps.maxFileBytes ? { maxFileBytes: deps.maxFileBytes } : {});
     this.log = deps.log.child({ session: meta.id });
-    this.vm = new SandboxLifecycle(this.spec(), deps.backend, deps.admission, deps.metrics, this.log, { idleMs: deps.idleMs });
+    this.vm = new SandboxLifecycle(this.spec(), deps.backend, deps.admission, deps.metrics, this.log, { policy: deps.policy });
   }
 
   get id(): string {
@@ -155,6 +157,21 @@ export class Session {
 
   private async dispatch(tool: ToolName, rawArgs: unknown, sinks: CallSinks): Promise<Dispatched> {
     if (tool === 'bash') return this.bash(parseToolArgs('bash', rawArgs), sinks);
+    if (!this.deps.policy.routing) {
+      // No routing (published levels 1-3): the file tool runs in the VM, its writes pulled back.
+      const t0 = performance.now();
+      const out = await this.vm.vmCall((sb, changes) => sb.synced((agent) => runFileTool(agentFileTools(agent), tool, rawArgs), changes));
+      return {
+        route: 'vm',
+        reason: 'routing off: every call runs in the VM',
+        runMs: performance.now() - t0 - out.wake.wakeMs - out.queuedMs,
+        wake: out.wake,
+        queuedMs: out.queuedMs,
+        pushedBytes: out.value.pushedBytes + (out.wake.pushedBytes ?? 0),
+        pulledBytes: out.value.pulledBytes,
+        result: out.value.value.result,
+      };
+    }
     const r = await runFileTool(this.files, tool, rawArgs);
     if (r.wrote !== undefined) this.vm.hostChanges.mark(r.wrote);
     return { route: 'inprocess', reason: 'file tools run in the broker on the host workspace', runMs: 0, result: r.result };
@@ -162,7 +179,9 @@ export class Session {
   private async bash(a: ReturnType<typeof parseToolArgs<'bash'>>, sinks: CallSinks): Promise<Dispatched> {
     const decision = a.route
       ? { route: a.route, reason: `route forced to ${a.route} by the caller` }
-      : routeCommand(a.command, { homeChanged: this.vm.homeChanges() });
+      : this.deps.policy.routing
+        ? routeCommand(a.command, { homeChanged: this.vm.homeChanges() })
+        : { route: 'vm' as const, reason: 'routing off: every call runs in the VM' };
     const timeoutMs = a.timeout ?? (a.timeout_s !== undefined ? Math.round(a.timeout_s * 1000) : DEFAULT_BASH_TIMEOUT_MS);
     const maxOutputBytes = a.maxOutputBytes ?? DEFAULT_MAX_OUTPUT_BYTES;
     const out = new OutputCollector(maxOutputBytes, sinks.onStdout);

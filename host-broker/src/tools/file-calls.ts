@@ -1,6 +1,6 @@
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
-import type { FileTools } from '../../../guest-agent/src/workspace/file-tools.ts';
 import { ToolArgs, type ToolName } from '../api/harness-protocol.ts';
+import type { FileToolTarget } from './agent-file-tools.ts';
 
 export type FileToolName = Exclude<ToolName, 'bash'>;
 
@@ -19,7 +19,7 @@ export function parseToolArgs<T extends ToolName>(tool: T, raw: unknown): Return
  * argument names to the file tools, shared by the broker and the bare-host baseline.
  * Returns the tool's result and the workspace path it wrote, if any.
  */
-export async function runFileTool(files: FileTools, tool: FileToolName, raw: unknown): Promise<{ result: unknown; wrote?: string }> {
+export async function runFileTool(files: FileToolTarget, tool: FileToolName, raw: unknown): Promise<{ result: unknown; wrote?: string }> {
   switch (tool) {
     case 'read': {
       const a = parseToolArgs('read', raw);
