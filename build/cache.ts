@@ -99,7 +99,8 @@ export async function fillAtomically(finalDir: string, fill: (tmpDir: string) =>
   }
 }
 
-function pidAlive(pid: number): boolean {
+/** Whether a pid names a live process (EPERM still means it exists): sweeps what dead processes left. */
+export function pidAlive(pid: number): boolean {
   try {
     process.kill(pid, 0);
     return true;

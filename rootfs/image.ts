@@ -13,6 +13,7 @@ import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 import { buildAgent } from "../guest-agent/build.ts";
+import { buildNativeHelpers } from "../guest-agent/native/build.ts";
 import { cacheDir, cacheRoot, exists, fillAtomically, hashInputs, withLock } from "../build/cache.ts";
 import { ensureHostPackages } from "../build/host-apt.ts";
 import { ensureBase, type BaseInfo } from "./base.ts";
@@ -150,11 +151,14 @@ export async function ensureRootfs(opts: RootfsOptions = {}): Promise<RootfsImag
   try {
     const agentFile = path.join(bundleDir, "hutch-agent.mjs");
     const agent = await buildAgent(agentFile);
+    await ensureHostPackages(["gcc", "libc6-dev"], log);
+    const helpers = await buildNativeHelpers(bundleDir);
     const agentFlags = await guestAgentFlags(agentFile);
     const epoch = epochFromEnv();
     const hash = await hashInputs([
       { label: "base", value: base.info.hash },
       { label: "agent", value: agent.sha256 },
+      ...helpers.map((h) => ({ label: h.dest, value: h.sha256 })),
       { label: "epoch", value: String(epoch) },
       ...GUEST_FILES.map((f) => ({ file: f.src })),
       ...BUILD_CODE.map((file) => ({ file })),
@@ -184,6 +188,7 @@ export async function ensureRootfs(opts: RootfsOptions = {}): Promise<RootfsImag
                 stageDir,
                 agentBundle: agentFile,
                 agentFlags,
+                extraFiles: helpers.map((h) => ({ src: h.path, dest: h.dest, mode: 0o755 })),
                 epoch,
                 imageInfo: { hash, baseHash: base.info.hash, agentSha256: agent.sha256, agentFlags, epoch, packages: base.info.installed },
               }),

@@ -6,17 +6,10 @@
  */
 import { readFile, readdir, rm, stat } from "node:fs/promises";
 import path from "node:path";
+import { pidAlive } from "../build/cache.ts";
 import { assertNoMountsUnder, unmountAllUnder } from "./chroot.ts";
 import type { LogFn } from "./progress.ts";
 
-function pidAlive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (err) {
-    return (err as NodeJS.ErrnoException).code === "EPERM";
-  }
-}
 
 /**
  * In `dir` (a cache root such as <cache>/rootfs), keeps `current` and the

@@ -72,6 +72,8 @@ export interface StageInputs {
   agentBundle: string;
   /** Extra agent options, one per line in /opt/hutch/agent-flags (read by agent-start.sh). */
   agentFlags: readonly string[];
+  /** Further files baked in (the agent's native helpers), relative destinations. */
+  extraFiles?: readonly { src: string; dest: string; mode: number }[];
   /** Written to /opt/hutch/image.json (must be deterministic: no build times). */
   imageInfo: Record<string, unknown>;
   epoch: number;
@@ -83,7 +85,7 @@ export async function stageTree(inp: StageInputs): Promise<void> {
   await copyTreeSorted(inp.baseTree, root);
 
   await mkdir(path.join(root, "opt/hutch/newroot"), { recursive: true });
-  for (const f of GUEST_FILES) {
+  for (const f of [...GUEST_FILES, ...(inp.extraFiles ?? [])]) {
     const dest = path.join(root, f.dest);
     await mkdir(path.dirname(dest), { recursive: true });
     await copyFile(f.src, dest);

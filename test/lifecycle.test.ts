@@ -5,25 +5,11 @@ import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { Hutch } from '../host-broker/src/sdk/index.ts';
-import { QEMU_TAG } from '../host-broker/src/vm/qemu-driver.ts';
+import { qemuPids } from '../host-broker/src/vm/qemu-driver.ts';
 import { loadSessions, prepareWorkspace, replayBare, replayCall, treeDigest } from '../bench/lib/sessions.ts';
 import { startBroker, type TestBroker } from './helpers/broker.ts';
 
 /** End to end through the SDK and WebSocket with real VMs (qemu backend, TCG here). */
-function qemuPids(dir: string): number[] {
-  const out: number[] = [];
-  for (const p of readdirSync('/proc')) {
-    if (!/^\d+$/.test(p)) continue;
-    try {
-      const c = readFileSync(`/proc/${p}/cmdline`, 'utf8');
-      if (c.includes(`${QEMU_TAG}:`) && c.includes(dir)) out.push(Number(p));
-    } catch {
-      // gone
-    }
-  }
-  return out;
-}
-
 describe('sandbox lifecycle with real VMs', () => {
   let b: TestBroker;
   let hutch: Hutch;

@@ -7,6 +7,8 @@ import { DEFAULT_POLICY, LEVELS, policyForLevel } from '../host-broker/src/polic
 import { policyFromFlags } from '../host-broker/src/cli.ts';
 import { loadSessions, prepareWorkspace, replayBare, replayCall, treeDigest } from '../bench/lib/sessions.ts';
 import { startBroker, type TestBroker } from './helpers/broker.ts';
+import { qemuPids } from '../host-broker/src/vm/qemu-driver.ts';
+import { processMemory } from '../host-broker/src/vm/smaps.ts';
 
 const base: ReleaseInputs = {
   dirty: false,
@@ -101,6 +103,39 @@ describe('levels with real VMs', () => {
     expect(Object.fromEntries(mine)).toEqual(Object.fromEntries(await treeDigest(join(dir, 'bare'))));
     await sb.close();
     rmSync(dir, { recursive: true, force: true });
+  }, 900_000);
+
+  it('reclaim policy with prefetch: an idle VM with a live server is kept and reclaimed, and the server survives', async () => {
+    const b = await startBroker({ backend: 'qemu', policy: { ...policyForLevel('prefetch'), idleMs: 2000 } });
+    brokers.push(b);
+    const hutch = await b.connect();
+    const sb = await hutch.create({});
+    const started = await sb.run('setsid python3 -c "import json, time; x = [str(i) * 50 for i in range(400000)]; time.sleep(3600)" > /dev/null 2>&1 < /dev/null & sleep 2; pgrep -c python3', { route: 'vm' });
+    expect(started.stdout.trim()).toBe('1');
+    const [qemu] = qemuPids(b.dataDir);
+    const busyPrivate = (await processMemory(qemu as number)).privateKiB * 1024;
+    const metricsUrl = `${b.url.replace('ws:', 'http:')}/metrics`;
+    let text = '';
+    // The scrape samples VMs before it prints counters, so poll until both show the release.
+    for (let i = 0; i < 120 && !/hutch_guest_vms\{state="reclaimed"\} 1/.test(text); i++) {
+      await new Promise((r) => setTimeout(r, 1000));
+      text = await (await fetch(metricsUrl)).text();
+    }
+    expect(text).toMatch(/hutch_releases_total\{decision="reclaim"\} 1/);
+    expect(text).toMatch(/hutch_guest_vms\{state="reclaimed"\} 1/);
+    // Reclaimed into zswap and freed pages reported: the host holds less for this VM.
+    let idlePrivate = busyPrivate;
+    for (let i = 0; i < 20 && idlePrivate > busyPrivate - 40 * 1048576; i++) {
+      await new Promise((r) => setTimeout(r, 1000));
+      idlePrivate = (await processMemory(qemu as number)).privateKiB * 1024;
+    }
+    expect(idlePrivate).toBeLessThan(busyPrivate - 40 * 1048576);
+    const after = await sb.run('pgrep -c python3', { route: 'vm' });
+    expect(after.woke).toBe(true);
+    expect(after.stdout.trim()).toBe('1');
+    text = await (await fetch(metricsUrl)).text();
+    expect(text).toMatch(/hutch_wakes_total\{how="reclaimed-prefetch"\} 1/);
+    await sb.close();
   }, 900_000);
 
   it('level 1 (cold boot, never released): the VM boots cold and stays', async () => {

@@ -1,4 +1,5 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { createHash } from 'node:crypto';
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -28,6 +29,10 @@ function qemuProcessesUnder(dir: string): number[] {
     }
   }
   return pids;
+}
+
+function sha256(path: string): string {
+  return createHash('sha256').update(readFileSync(path)).digest('hex');
 }
 
 /** Host memory of the guest-RAM mapping of a VM: how much of it is shared with the page cache and other VMs. */
@@ -102,6 +107,31 @@ describe('guest image and microVMs (real QEMU)', () => {
     } finally {
       await Promise.all(vms.map((v) => v.destroy()));
     }
+  }, 600_000);
+
+  it('a restored VM returns freed memory to the host without punching holes in the shared pristine file', async () => {
+    const pristine = await backend.snapshots.pristine(backend.image, SIZE);
+    const before = sha256(pristine.memory);
+    const vm = await backend.driver.restore({ id: 'report', dir: join(dataDir, 'vms', 'report'), image: backend.image, ...SIZE }, pristine);
+    try {
+      const agent = await connectAgent(vm, { timeoutMs: 60_000, log, resume: true });
+      // Report every free 4 KiB page, then dirty 200 MiB of guest RAM and free it again.
+      await agent.call('mem.reporting', { order: 0 });
+      const hog = await agent.run({ command: 'python3 -c "x = bytearray(200 << 20); x[::4096] = b\'x\' * len(x[::4096]); print(len(x))"' });
+      expect(hog.stdoutText.trim()).toBe(String(200 << 20));
+      const peak = guestRamMapping(vm.pid, pristine.memory).privateKiB;
+      let now = peak;
+      for (let i = 0; i < 30 && now > peak - 100 * 1024; i++) {
+        await new Promise((r) => setTimeout(r, 1000));
+        now = guestRamMapping(vm.pid, pristine.memory).privateKiB;
+      }
+      expect(peak).toBeGreaterThan(150 * 1024);
+      expect(now).toBeLessThan(peak - 100 * 1024);
+      agent.close();
+    } finally {
+      await vm.destroy();
+    }
+    expect(sha256(pristine.memory)).toBe(before);
   }, 600_000);
 
   it('a VM killed in the middle of a call gives that call a clear error', async () => {

@@ -11,6 +11,7 @@ import { resumeAfterRestore } from './resume.ts';
 import { guestState } from './guest-state.ts';
 import { memoryHandlers } from './memory/handlers.ts';
 import { telemetryHandlers } from './telemetry/handlers.ts';
+import { withCallUsage } from './telemetry/call-usage.ts';
 
 export interface AgentOptions {
   /** Workspace root on this machine (/work in the guest). */
@@ -50,7 +51,8 @@ export class Agent {
     const f = this.files;
     return {
       ping: async () => ({ now: Date.now(), uptimeMs: Date.now() - this.startedAt }),
-      exec: this.execs.exec,
+      // In a VM the agent owns the machine, so guest-wide vmstat deltas are the call's.
+      exec: this.opts.ownsMachine ? withCallUsage(this.execs.exec) : this.execs.exec,
       'exec.signal': this.execs.signal,
       'fs.read': (p) => f.read(p),
       'fs.write': (p) => f.write(p),
@@ -104,7 +106,7 @@ export class Agent {
         await output.flushed();
         return { bytes };
       },
-      ...memoryHandlers({ workloadCgroup: this.opts.workloadCgroup }),
+      ...memoryHandlers({ workloadCgroup: this.opts.workloadCgroup, execs: this.execs, log: this.opts.log }),
       ...telemetryHandlers({ workloadCgroup: this.opts.workloadCgroup }),
     };
   }

@@ -2,7 +2,7 @@ import { mkdirSync } from 'node:fs';
 import type { z } from 'zod';
 import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
-import { OPS, type OpName } from './api/harness-protocol.ts';
+import { OPS, type OpName, type TelemetryEvent, type TelemetryParams } from './api/harness-protocol.ts';
 import { WsServer, type OpContext } from './api/ws-server.ts';
 import type { VmBackend } from './backends/backend.ts';
 import { initRouter } from './router/index.ts';
@@ -28,6 +28,37 @@ export interface BrokerOptions {
   /** Routing, wake and release policy (default: level 4 with the cost model). */
   policy?: Partial<SandboxPolicy>;
   admission?: Partial<AdmissionOptions>;
+}
+
+/** A sample's deadline: generous, since an emulated (TCG) guest under load answers slowly. */
+const TELEMETRY_TIMEOUT_MS = 5000;
+
+function withTimeout<T>(p: Promise<T>, ms: number, fallback: T): Promise<T> {
+  return new Promise((resolve, reject) => {
+    const t = setTimeout(() => resolve(fallback), ms);
+    p.then(
+      (v) => {
+        clearTimeout(t);
+        resolve(v);
+      },
+      (e: unknown) => {
+        clearTimeout(t);
+        reject(e as Error);
+      },
+    );
+  });
+}
+
+function sleepUnlessAborted(ms: number, signal: AbortSignal): Promise<void> {
+  return new Promise((resolve) => {
+    const t = setTimeout(done, ms);
+    function done(): void {
+      clearTimeout(t);
+      signal.removeEventListener('abort', done);
+      resolve();
+    }
+    signal.addEventListener('abort', done, { once: true });
+  });
 }
 
 /** Defaults sized to the host: wakes and VM calls by CPU count, memory by what the host has. */
@@ -97,7 +128,10 @@ export class Broker {
           this.metrics.sessions.set(this.sessions.list().length);
           this.metrics.admissionWaiting.set({ kind: 'wake' }, this.admission.wakes.waiting);
           this.metrics.admissionWaiting.set({ kind: 'vm_call' }, this.admission.vmCalls.waiting);
-          return this.metrics.text().then((text) => {
+          return this.telemetry()
+            .then((t) => this.metrics.setGuestGauges(t.sessions))
+            .then(() => this.metrics.text())
+            .then((text) => {
             res.writeHead(200, { 'content-type': this.metrics.contentType }).end(text);
             return true;
           });
@@ -116,6 +150,30 @@ export class Broker {
     await this.opts.backend.shutdown();
     await this.opts.fastPath.close?.();
     this.opts.log.info('broker.stopped');
+  }
+
+  /** Samples every live, awake VM (or one session's), each bounded by a timeout. */
+  async telemetry(session?: string): Promise<TelemetryEvent> {
+    const targets = session ? [this.sessions.get(session)] : this.sessions.all();
+    const sessions = await Promise.all(
+      targets.map((s) => withTimeout(s.telemetry(), TELEMETRY_TIMEOUT_MS, { session: s.id, vm: 'live' as const, error: `no sample within ${TELEMETRY_TIMEOUT_MS} ms` })),
+    );
+    return { atMs: Date.now(), sessions };
+  }
+
+  /** A live subscription: one event per interval until the client cancels it or `count` is reached. */
+  private async subscribe(p: z.infer<typeof TelemetryParams>, ctx: OpContext): Promise<{ samples: number; cancelled: boolean }> {
+    if (p.session) this.sessions.get(p.session); // unknown session: not_found now, not later
+    const interval = p.intervalMs ?? 1000;
+    let samples = 0;
+    while (!ctx.signal.aborted && (p.count === undefined || samples < p.count)) {
+      const started = Date.now();
+      ctx.event(await this.telemetry(p.session));
+      samples++;
+      if (p.count !== undefined && samples >= p.count) break;
+      await sleepUnlessAborted(Math.max(0, interval - (Date.now() - started)), ctx.signal);
+    }
+    return { samples, cancelled: ctx.signal.aborted };
   }
 
   private async handle(op: OpName, raw: unknown, ctx: OpContext): Promise<unknown> {
@@ -145,6 +203,8 @@ export class Broker {
         this.sessions.get(p.session).hint(p.hint);
         return { accepted: true };
       }
+      case 'telemetry':
+        return this.subscribe(params('telemetry', raw), ctx);
       case 'signal':
         throw new HutchError('internal', 'signal is handled by the transport');
     }

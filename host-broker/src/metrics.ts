@@ -1,4 +1,5 @@
 import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
+import type { CallUsage, TelemetrySample } from '../../guest-agent/src/protocol/methods-telemetry.ts';
 
 /** Seconds; call latencies span sub-millisecond file tools to multi-second cold wakes. */
 const LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 1.5, 2.5, 5, 10, 30];
@@ -16,7 +17,12 @@ export interface CallRecord {
   queuedMs: number;
   pushedBytes: number;
   pulledBytes: number;
+  /** Memory cost of a VM call as the guest measured it. */
+  usage?: CallUsage;
 }
+
+/** Guest processes exported by command name, at most this many names (the rest is "other"). */
+const MAX_COMM_LABELS = 12;
 
 /**
  * The broker's Prometheus metrics. Label sets are bounded (tool, route, decision names),
@@ -37,6 +43,15 @@ export class BrokerMetrics {
   readonly liveVms = new Gauge({ name: 'hutch_live_vms', help: 'VMs running now', registers: [this.registry] });
   readonly sessions = new Gauge({ name: 'hutch_sessions', help: 'Open sessions', registers: [this.registry] });
   readonly admissionWaiting = new Gauge({ name: 'hutch_admission_waiting', help: 'Wakes and VM calls waiting for admission', labelNames: ['kind'], registers: [this.registry] });
+  private readonly callFaults = new Histogram({ name: 'hutch_call_major_faults', help: 'Major page faults in the guest during a VM call', buckets: [0, 10, 100, 1000, 10_000, 100_000], registers: [this.registry] });
+  private readonly callSwapRead = new Counter({ name: 'hutch_call_swap_read_bytes_total', help: 'Bytes VM calls read back from guest swap disks', registers: [this.registry] });
+  private readonly callZswapIns = new Counter({ name: 'hutch_call_zswap_loads_total', help: 'Pages VM calls decompressed from guest zswap pools', registers: [this.registry] });
+  readonly guestMemory = new Gauge({ name: 'hutch_guest_memory_bytes', help: 'Guest memory summed over sampled live VMs, by kind', labelNames: ['kind'], registers: [this.registry] });
+  readonly guestVms = new Gauge({ name: 'hutch_guest_vms', help: 'VMs by state at the last scrape (reclaimed VMs are not sampled)', labelNames: ['state'], registers: [this.registry] });
+  private readonly guestVmstat = new Counter({ name: 'hutch_guest_vmstat_events_total', help: 'Guest /proc/vmstat events summed over VMs (swap, zswap, refaults, major faults)', labelNames: ['counter'], registers: [this.registry] });
+  readonly guestPsi = new Gauge({ name: 'hutch_guest_psi_memory_avg10_max', help: 'Highest guest memory pressure (PSI avg10, percent) over sampled VMs', labelNames: ['kind'], registers: [this.registry] });
+  readonly guestProcRss = new Gauge({ name: 'hutch_guest_process_rss_bytes', help: 'Guest process RSS summed by command name (bounded set of names)', labelNames: ['comm'], registers: [this.registry] });
+  readonly guestProcCpu = new Gauge({ name: 'hutch_guest_process_cpu_percent', help: 'Guest process CPU summed by command name (bounded set of names)', labelNames: ['comm'], registers: [this.registry] });
   readonly errors = new Counter({ name: 'hutch_errors_total', help: 'Failed calls by error code', labelNames: ['code'], registers: [this.registry] });
 
   constructor(opts: { processMetrics?: boolean } = {}) {
@@ -53,8 +68,53 @@ export class BrokerMetrics {
       this.wakes.inc({ how: r.wakeHow ?? 'unknown' });
       this.wakeSeconds.observe({ how: r.wakeHow ?? 'unknown' }, r.wakeMs / 1000);
     }
+    if (r.usage) {
+      this.callFaults.observe(r.usage.majorFaults);
+      if (r.usage.swapReadBytes) this.callSwapRead.inc(r.usage.swapReadBytes);
+      if (r.usage.zswapIns) this.callZswapIns.inc(r.usage.zswapIns);
+    }
     if (r.pushedBytes) this.syncBytes.inc({ direction: 'push' }, r.pushedBytes);
     if (r.pulledBytes) this.syncBytes.inc({ direction: 'pull' }, r.pulledBytes);
+  }
+
+  /** Counts a guest sample's vmstat increase, whoever asked for it (scrape or subscription). */
+  recordGuestSample(s: TelemetrySample): void {
+    for (const [k, v] of Object.entries(s.vmstatDelta)) if (v) this.guestVmstat.inc({ counter: k }, v);
+  }
+
+  /** Sets the gauges from this scrape's samples (sums over VMs, processes grouped by a bounded set of names). */
+  setGuestGauges(states: Array<{ vm: 'none' | 'live' | 'reclaimed'; sample?: TelemetrySample | undefined }>): void {
+    this.guestVms.reset();
+    for (const st of ['live', 'reclaimed'] as const) this.guestVms.set({ state: st }, states.filter((x) => x.vm === st).length);
+    const samples = states.flatMap((x) => (x.sample ? [x.sample] : []));
+    this.guestMemory.reset();
+    const mem: Record<string, number> = {};
+    for (const s of samples) for (const [k, v] of Object.entries(s.memory)) mem[k] = (mem[k] ?? 0) + v;
+    for (const [k, v] of Object.entries(mem)) this.guestMemory.set({ kind: k.replace(/Bytes$/, '') }, v);
+    this.guestPsi.reset();
+    this.guestPsi.set({ kind: 'some' }, Math.max(0, ...samples.map((s) => s.psiMemory?.someAvg10 ?? 0)));
+    this.guestPsi.set({ kind: 'full' }, Math.max(0, ...samples.map((s) => s.psiMemory?.fullAvg10 ?? 0)));
+    const byComm = new Map<string, { rss: number; cpu: number }>();
+    for (const s of samples) {
+      for (const p of s.processes) {
+        const e = byComm.get(p.comm) ?? { rss: 0, cpu: 0 };
+        e.rss += p.rssBytes;
+        e.cpu += p.cpuPercent;
+        byComm.set(p.comm, e);
+      }
+    }
+    const ranked = [...byComm.entries()].sort((a, b) => b[1].rss - a[1].rss);
+    const other = { rss: 0, cpu: 0 };
+    for (const [, e] of ranked.slice(MAX_COMM_LABELS)) {
+      other.rss += e.rss;
+      other.cpu += e.cpu;
+    }
+    this.guestProcRss.reset();
+    this.guestProcCpu.reset();
+    for (const [comm, e] of [...ranked.slice(0, MAX_COMM_LABELS), ...(other.rss || other.cpu ? [['other', other] as const] : [])]) {
+      this.guestProcRss.set({ comm }, e.rss);
+      this.guestProcCpu.set({ comm }, e.cpu);
+    }
   }
 
   text(): Promise<string> {

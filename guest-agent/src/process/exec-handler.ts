@@ -1,4 +1,4 @@
-import { appendFileSync } from 'node:fs';
+import { appendFileSync, existsSync } from 'node:fs';
 import type { Handler, RequestContext } from '../protocol/connection.ts';
 import { HutchError } from '../protocol/errors.ts';
 import type { ExecParams, ResultOf } from '../protocol/methods.ts';
@@ -18,16 +18,34 @@ export interface ExecConfig {
   /** Kill background processes a command leaves behind (host-side agents). */
   killGroupOnExit?: boolean | undefined;
   /**
-   * cgroup v2 directory tenant commands are moved into (pids.max, memory controls). The
-   * move happens right after spawn; a command forking within its first instructions could
-   * leave a child behind in the agent's cgroup, which its process group kill still reaches.
+   * cgroup v2 directory tenant commands run in (pids.max, memory controls). In the guest
+   * image they start there (hutch-spawn joins it before exec); without the helper they are
+   * moved right after spawn, and a child forked before the move stays behind.
    */
   cgroup?: string | undefined;
+}
+
+/** Told when tenant commands start and end (the memory manager records what each call touched). */
+export interface ExecObserver {
+  /** Awaited before the command starts. */
+  beforeExec(): Promise<void>;
+  /** After the command ended; not awaited (the result goes out first). */
+  afterExec(): void;
+}
+
+/** The helper baked into the guest image (guest-agent/native/hutch-spawn.c); absent on a plain host. */
+const SPAWN_HELPER = process.env['HUTCH_SPAWN_HELPER'] ?? '/opt/hutch/hutch-spawn';
+let spawnHelperFound: boolean | undefined;
+
+function cgroupSpawnHelper(): string | undefined {
+  spawnHelperFound ??= existsSync(SPAWN_HELPER);
+  return spawnHelperFound ? SPAWN_HELPER : undefined;
 }
 
 /** Serves `exec` and `exec.signal` over a connection, streaming output as it comes. */
 export class ExecService {
   private readonly running = new Map<number, RunningProcess>();
+  private readonly observers = new Set<ExecObserver>();
   private gate: Promise<void> = Promise.resolve();
 
   constructor(
@@ -38,6 +56,10 @@ export class ExecService {
   /** Tenant commands start only after `p` settles (the clock being set after a restore). */
   holdUntil(p: Promise<void>): void {
     this.gate = Promise.all([this.gate, p]).then(() => undefined);
+  }
+
+  observe(o: ExecObserver): void {
+    this.observers.add(o);
   }
 
   get activeCount(): number {
@@ -51,14 +73,20 @@ export class ExecService {
     const stderr = ctx.outbound(p.stderr);
     const stdin = p.stdin !== undefined ? ctx.inbound(p.stdin) : undefined;
     await this.gate;
+    const observers = [...this.observers];
+    for (const o of observers) await o.beforeExec();
     let proc: RunningProcess;
+    const argv = p.argv ?? ['bash', '--norc', '--noprofile', '-c', p.command as string];
+    // Started inside the cgroup by the helper (which also drops to the tenant's ids), or
+    // moved there right after spawn, which races with what the command forks first.
+    const spawnHelper = this.cfg.cgroup ? cgroupSpawnHelper() : undefined;
     try {
       proc = runProcess({
-        argv: p.argv ?? ['bash', '--norc', '--noprofile', '-c', p.command as string],
+        argv: spawnHelper && this.cfg.cgroup ? [spawnHelper, `${this.cfg.cgroup}/cgroup.procs`, String(this.cfg.uid ?? 0), String(this.cfg.gid ?? 0), '--', ...argv] : argv,
         cwd: cwd.abs,
         env: { ...this.cfg.baseEnv, ...p.env },
-        uid: this.cfg.uid,
-        gid: this.cfg.gid,
+        uid: spawnHelper ? undefined : this.cfg.uid,
+        gid: spawnHelper ? undefined : this.cfg.gid,
         stdin,
         onStdout: (c) => stdout.write(c),
         onStderr: (c) => stderr.write(c),
@@ -71,9 +99,10 @@ export class ExecService {
     } catch (err) {
       stdout.end();
       stderr.end();
+      for (const o of observers) o.afterExec();
       throw err;
     }
-    if (this.cfg.cgroup) {
+    if (this.cfg.cgroup && !spawnHelper) {
       try {
         appendFileSync(`${this.cfg.cgroup}/cgroup.procs`, `${proc.pid}\n`);
       } catch {
@@ -90,6 +119,7 @@ export class ExecService {
       return r satisfies ResultOf<'exec'>;
     } finally {
       this.running.delete(ctx.id);
+      for (const o of observers) o.afterExec();
     }
   };
 

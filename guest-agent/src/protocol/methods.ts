@@ -1,6 +1,6 @@
 import { z } from 'zod';
 import { MEMORY_METHODS } from './methods-memory.ts';
-import { TELEMETRY_EVENTS, TELEMETRY_METHODS } from './methods-telemetry.ts';
+import { CallUsageSchema, TELEMETRY_EVENTS, TELEMETRY_METHODS } from './methods-telemetry.ts';
 
 /**
  * RPC methods and pushed events of the agent protocol: the single definition both the
@@ -57,6 +57,8 @@ export const ExecResultSchema = z.object({
   durationMs: z.number().nonnegative(),
   stdout: OutputSummarySchema,
   stderr: OutputSummarySchema,
+  /** Memory cost of the call, where the agent measures it (in a VM). */
+  usage: CallUsageSchema.optional(),
 });
 export type ExecResult = z.infer<typeof ExecResultSchema>;
 

@@ -1,6 +1,7 @@
 import { z } from 'zod';
 import { WireErrorSchema } from '../../../guest-agent/src/protocol/errors.ts';
 import { SignalSchema } from '../../../guest-agent/src/protocol/methods.ts';
+import { TelemetrySampleSchema } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 
 /**
  * The harness API: what a harness (opencode, an SDK user) speaks to the broker over a
@@ -61,6 +62,13 @@ export const CallParams = z.object({
 export const SignalParams = z.object({ call: z.number().int().nonnegative(), signal: SignalSchema });
 export const HintParams = z.object({ session: sessionId, hint: z.enum(['tool_call_pending', 'compacting', 'idle']) });
 export const SessionsParams = z.object({});
+/** A live telemetry subscription: one `evt` frame per interval until cancelled (signal op) or `count` samples. */
+export const TelemetryParams = z.object({
+  /** One session; all sessions when absent. */
+  session: sessionId.optional(),
+  intervalMs: z.number().int().min(100).max(3_600_000).optional(),
+  count: z.number().int().positive().max(1_000_000).optional(),
+});
 
 export const OPS = {
   create: CreateParams,
@@ -70,6 +78,7 @@ export const OPS = {
   signal: SignalParams,
   hint: HintParams,
   sessions: SessionsParams,
+  telemetry: TelemetryParams,
 } as const;
 export type OpName = keyof typeof OPS;
 
@@ -136,5 +145,17 @@ export const ServerMessageSchema = z.union([
   z.object({ t: z.literal('hello'), v: z.number(), broker: z.string(), backend: z.string(), accel: z.string().optional() }),
   z.object({ t: z.literal('res'), id: z.number(), r: z.unknown().optional(), e: WireErrorSchema.optional() }),
   z.object({ t: z.literal('out'), call: z.number(), fd: z.union([z.literal(1), z.literal(2)]), d: bytesOrText }),
+  z.object({ t: z.literal('evt'), call: z.number(), d: z.unknown() }),
 ]);
+
+/** One session's telemetry: its VM's state and, when a VM is live and awake, the guest's sample. */
+export const SessionTelemetrySchema = z.object({
+  session: z.string(),
+  vm: z.enum(['none', 'live', 'reclaimed']),
+  sample: TelemetrySampleSchema.optional(),
+  error: z.string().optional(),
+});
+export type SessionTelemetry = z.infer<typeof SessionTelemetrySchema>;
+export const TelemetryEventSchema = z.object({ atMs: z.number(), sessions: z.array(SessionTelemetrySchema) });
+export type TelemetryEvent = z.infer<typeof TelemetryEventSchema>;
 export type ServerMessage = z.infer<typeof ServerMessageSchema>;

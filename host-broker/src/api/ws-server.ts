@@ -16,6 +16,8 @@ export interface OpContext {
   signal: AbortSignal;
   /** Sends streamed output of this call to the client, with backpressure. */
   out(fd: 1 | 2, chunk: Uint8Array): Promise<void>;
+  /** Pushes an event belonging to this request (a subscription's samples). */
+  event(data: unknown): void;
 }
 
 export type OpHandler = (op: OpName, params: unknown, ctx: OpContext) => Promise<unknown>;
@@ -142,6 +144,7 @@ export class WsServer {
           if (ws.bufferedAmount < OUT_HIGH_WATER) send(frame, isBinary);
           else await new Promise<void>((r) => ws.send(isBinary ? packr.pack(frame) : JSON.stringify(frame), () => r()));
         },
+        event: (d) => send({ t: 'evt', call: id, d }, isBinary),
       };
       const signalOf = (callId: number) => inflight.get(callId);
       const handled = op === 'signal' ? this.signal(p, signalOf) : this.opts.handle(op as OpName, p, ctx);

@@ -1,4 +1,5 @@
 import type { ExecResult } from '../../../guest-agent/src/protocol/methods.ts';
+import type { TelemetrySample } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 import type { AgentClient, ExecRequest } from '../agent-client.ts';
 import type { HostChanges } from '../sync/host-changes.ts';
 
@@ -99,8 +100,13 @@ export interface Sandbox {
   state(): Promise<GuestState>;
   /** Reclaims the idle guest's memory into zswap/swap, keeping the VM; absent when the guest cannot. */
   reclaim?(opts: { hotSetLast: boolean }): Promise<ReclaimInfo>;
-  /** Reads the last call's activation set back in (MADV_WILLNEED) ahead of the next call. */
-  prefetch?(): Promise<PrefetchInfo>;
+  /** Samples the guest (memory, swap, zswap, vmstat, PSI, processes); absent where the agent is not alone on its machine. */
+  telemetry?(): Promise<TelemetrySample>;
+  /**
+   * Undoes reclaim's idle settings before the next call and, with `prefetch`, reads the
+   * last call's activation set back in (MADV_WILLNEED) ahead of it.
+   */
+  wakeFromReclaim?(opts: { prefetch: boolean }): Promise<PrefetchInfo | undefined>;
   /** Writes a snapshot of the VM into `dir` (RAM + devices + workspace manifest), then stops it. */
   suspend?(dir: string): Promise<{ bytes: number; ms: number; slot: SlotRef }>;
   /**

@@ -5,6 +5,7 @@ import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { WorkspaceSync } from '../../../guest-agent/src/workspace/sync.ts';
+import type { TelemetrySample } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 import { hostTscKhz } from '../../../kernel-configs/boot-params.ts';
 import type { AgentClient } from '../agent-client.ts';
 import type { HostChanges } from '../sync/host-changes.ts';
@@ -17,7 +18,7 @@ import { cleanupOrphans } from '../vm/orphans.ts';
 import { QemuDriver } from '../vm/qemu-driver.ts';
 import { SnapshotStore } from '../vm/snapshot-store.ts';
 import type { Accel, Vm } from '../vm/vmm.ts';
-import type { GuestState, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
+import type { GuestState, PrefetchInfo, ReclaimInfo, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
 
 export interface QemuBackendOptions {
   dataDir: string;
@@ -30,6 +31,10 @@ export interface QemuBackendOptions {
   maxFileBytes?: number;
   tcgTbMiB?: number;
 }
+
+/** Free page reporting granularity (page order) while a VM idles reclaimed, and while it works (the kernel's default). */
+const IDLE_REPORTING_ORDER = 0;
+const ACTIVE_REPORTING_ORDER = 10;
 
 /** HOME of the tenant user inside the guest, as a path under the overlay's upper layer. */
 const GUEST_HOME = 'home/tenant/';
@@ -185,6 +190,26 @@ class QemuSandbox implements Sandbox {
     const st = await this.guard(() => this.agent.call('agent.state', { maxPaths: 200 }));
     this.home = st.dirtyPaths.filter((p) => p.startsWith(GUEST_HOME)).map((p) => p.slice(GUEST_HOME.length));
     return pulled.stats.bytes;
+  }
+
+  async reclaim(opts: { hotSetLast: boolean }): Promise<ReclaimInfo> {
+    // Report every free page while idle, so what reclaim frees goes back to the host
+    // (safe for the shared pristine file only under the shared-RAM guard, see vm/shared-ram-guard.ts).
+    await this.guard(() => this.agent.call('mem.reporting', { order: IDLE_REPORTING_ORDER }));
+    const r = await this.guard(() => this.agent.call('mem.reclaim', { target: 'all', ...(opts.hotSetLast ? { hotSetLast: true } : {}) }));
+    return { ms: r.ms, reclaimedBytes: r.reclaimedBytes, detail: { residentBytes: r.residentBytes, partial: r.partial, zswapPoolBytes: r.after.zswapPoolBytes } };
+  }
+
+  async wakeFromReclaim(opts: { prefetch: boolean }): Promise<PrefetchInfo | undefined> {
+    // Busy guests report only large free blocks: per-page reports cost a VM exit each.
+    await this.guard(() => this.agent.call('mem.reporting', { order: ACTIVE_REPORTING_ORDER }));
+    if (!opts.prefetch) return undefined;
+    const r = await this.guard(() => this.agent.call('mem.prefetch', {}));
+    return { ms: r.ms, pages: r.pages, bytes: r.bytes };
+  }
+
+  telemetry(): Promise<TelemetrySample> {
+    return this.guard(() => this.agent.call('telemetry.sample', {}));
   }
 
   async state(): Promise<GuestState> {

@@ -16,7 +16,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { ownDir, readCgroupLayout } from './cgroup-detect.ts';
 import type { LimitDescription, Limiter, LimiterOptions, RunLimitReport, RunSlot } from './limits.ts';
-import { isAlive } from './process-alive.ts';
+import { pidAlive } from '../../../build/cache.ts';
 
 type Version = 'cgroup-v1' | 'cgroup-v2';
 type Controller = 'pids' | 'memory';
@@ -269,7 +269,7 @@ export class CgroupLimiter implements Limiter {
   private sweepStale(parent: string): void {
     for (const name of readdirSync(parent)) {
       const m = /^slot-(\d+)-\d+$/.exec(name);
-      if (!m || Number(m[1]) === process.pid || isAlive(Number(m[1]))) continue;
+      if (!m || Number(m[1]) === process.pid || pidAlive(Number(m[1]))) continue;
       const dir = join(parent, name);
       const stale: Slot = { name, dirs: [{ dir, controllers: [] }] };
       for (const pid of this.pids(stale)) {

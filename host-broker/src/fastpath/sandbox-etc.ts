@@ -8,7 +8,7 @@
 import { chmodSync, copyFileSync, lstatSync, mkdirSync, mkdtempSync, readdirSync, readlinkSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { isAlive } from './process-alive.ts';
+import { pidAlive } from '../../../build/cache.ts';
 
 export interface SandboxIdentity {
   uid: number;
@@ -67,7 +67,7 @@ function sweepStale(parent: string): void {
   }
   for (const name of names) {
     const pid = Number(/^hutch-fastpath-etc-(\d+)-/.exec(name)?.[1]);
-    if (pid > 0 && pid !== process.pid && !isAlive(pid)) rmSync(join(parent, name), { recursive: true, force: true });
+    if (pid > 0 && pid !== process.pid && !pidAlive(pid)) rmSync(join(parent, name), { recursive: true, force: true });
   }
 }
 

@@ -28,9 +28,9 @@ export const SECCOMP_RET_ALLOW = 0x7fff0000;
 export const retErrno = (errno: number): number => (SECCOMP_RET_ERRNO | (errno & 0xffff)) >>> 0;
 
 // Offsets in struct seccomp_data.
-const OFF_NR = 0;
-const OFF_ARCH = 4;
-const argLow = (i: number): number => 16 + 8 * i; // little-endian: low word first
+export const OFF_NR = 0;
+export const OFF_ARCH = 4;
+export const argLow = (i: number): number => 16 + 8 * i; // little-endian: low word first
 
 type Action = { kind: 'ret'; k: number } | { kind: 'arg'; rule: ArgRule };
 interface Segment {

@@ -1,6 +1,7 @@
 import { statSync } from 'node:fs';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import type { TelemetrySample } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import type { Admission } from '../admission.ts';
 import type { Sandbox, SandboxSpec, SlotRef, VmBackend, WakeInfo } from '../backends/backend.ts';
@@ -107,15 +108,31 @@ export class SandboxLifecycle {
     });
   }
 
+  /** What the VM is doing now; a reclaimed VM is not sampled (that would fault its memory back in). */
+  async telemetry(): Promise<{ vm: 'none' | 'live' | 'reclaimed'; sample?: TelemetrySample; error?: string }> {
+    const sb = this.sandbox;
+    if (!sb) return { vm: 'none' };
+    if (this.reclaimed || !sb.telemetry) return { vm: this.reclaimed ? 'reclaimed' : 'live' };
+    try {
+      const sample = await sb.telemetry();
+      this.metrics?.recordGuestSample(sample);
+      return { vm: 'live', sample };
+    } catch (err) {
+      return { vm: 'live', error: (err as Error).message };
+    }
+  }
+
   /** Starts a wake ahead of a call (the harness says a tool call is being generated). */
   prewarm(): void {
-    if (this.sandbox || this.closed) return;
+    if ((this.sandbox && !this.reclaimed) || this.closed) return;
     void this.lock
       .run(async () => {
-        if (!this.sandbox && !this.closed) {
-          await this.wake();
-          this.scheduleIdle();
-        }
+        if (this.closed) return;
+        if (!this.sandbox) await this.wake();
+        // A reclaimed VM is alive: reading its last call's pages back is its wake.
+        else if (this.reclaimed) await this.resumeLive();
+        else return;
+        this.scheduleIdle();
       })
       .catch((err: unknown) => this.log.warn('vm.prewarm_failed', { error: (err as Error).message }));
   }
@@ -139,16 +156,16 @@ export class SandboxLifecycle {
     if (!this.reclaimed) return { wakeMs: 0, woke: false, how: 'live' };
     this.reclaimed = false;
     const sb = this.sandbox as Sandbox;
-    if (!this.opts.policy.prefetch || !sb.prefetch) return { wakeMs: 0, woke: true, how: 'reclaimed' };
+    const prefetch = this.opts.policy.prefetch;
     const t0 = performance.now();
     try {
-      const p = await sb.prefetch();
-      this.log.info('vm.prefetched', { pages: p.pages, bytes: p.bytes, ms: Math.round(p.ms) });
+      const p = await sb.wakeFromReclaim?.({ prefetch });
+      if (p) this.log.info('vm.prefetched', { pages: p.pages, bytes: p.bytes, ms: Math.round(p.ms) });
     } catch (err) {
       // A failed prefetch only costs speed: the call faults its pages in instead.
       this.log.warn('vm.prefetch_failed', { error: (err as Error).message });
     }
-    return { wakeMs: performance.now() - t0, woke: true, how: 'reclaimed-prefetch' };
+    return { wakeMs: performance.now() - t0, woke: true, how: prefetch ? 'reclaimed-prefetch' : 'reclaimed' };
   }
 
   private async wake(): Promise<WakeInfo> {

@@ -22,9 +22,11 @@ import {
   type Route,
   type SessionInfo,
   type ToolName,
+  type TelemetryEvent,
+  TelemetryEventSchema,
 } from '../api/harness-protocol.ts';
 
-export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName };
+export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName, type TelemetryEvent };
 
 const packr = new Packr({ useRecords: false });
 
@@ -76,6 +78,7 @@ interface Pending {
   resolve: (r: unknown) => void;
   reject: (e: HutchError) => void;
   onOut?: ((fd: 1 | 2, d: Uint8Array | string) => void) | undefined;
+  onEvent?: ((d: unknown) => void) | undefined;
 }
 
 export class Hutch {
@@ -141,16 +144,31 @@ export class Hutch {
     return ((await this.request('sessions', {})) as { sessions: SessionInfo[] }).sessions;
   }
 
+  /**
+   * Live telemetry: `onSample` gets one event per interval (every session, or one) with
+   * each VM's state and guest sample, until `signal` aborts or `count` events arrived.
+   */
+  async telemetry(o: { session?: string; intervalMs?: number; count?: number; signal?: AbortSignal; onSample: (e: TelemetryEvent) => void }): Promise<{ samples: number; cancelled: boolean }> {
+    const p = { ...(o.session ? { session: o.session } : {}), ...(o.intervalMs !== undefined ? { intervalMs: o.intervalMs } : {}), ...(o.count !== undefined ? { count: o.count } : {}) };
+    try {
+      return (await this.request('telemetry', p, undefined, o.signal, (d) => o.onSample(TelemetryEventSchema.parse(d)))) as { samples: number; cancelled: boolean };
+    } catch (err) {
+      // Cancelling is how a subscription ends; the broker answers it like a finished one.
+      if (o.signal?.aborted && err instanceof HutchError && err.code === 'cancelled') return { samples: -1, cancelled: true };
+      throw err;
+    }
+  }
+
   close(): void {
     this.ws.close();
   }
 
   /** @internal */
-  request(op: OpName, p: unknown, onOut?: (fd: 1 | 2, d: Uint8Array | string) => void, signal?: AbortSignal): Promise<unknown> {
+  request(op: OpName, p: unknown, onOut?: (fd: 1 | 2, d: Uint8Array | string) => void, signal?: AbortSignal, onEvent?: (d: unknown) => void): Promise<unknown> {
     if (this.closedError) return Promise.reject(this.closedError);
     const id = this.nextId++;
     return new Promise((resolve, reject) => {
-      this.pending.set(id, { resolve, reject, onOut });
+      this.pending.set(id, { resolve, reject, onOut, onEvent });
       const msg = { t: 'req', id, op, p };
       this.ws.send(this.binary ? packr.pack(msg) : JSON.stringify(msg));
       signal?.addEventListener('abort', () => void this.request('signal', { call: id, signal: 'SIGKILL' }).catch(() => undefined), { once: true });
@@ -167,6 +185,10 @@ export class Hutch {
     }
     if (m.t === 'out') {
       this.pending.get(m.call)?.onOut?.(m.fd, m.d);
+      return;
+    }
+    if (m.t === 'evt') {
+      this.pending.get(m.call)?.onEvent?.(m.d);
       return;
     }
     if (m.t !== 'res') return;

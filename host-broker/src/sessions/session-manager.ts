@@ -74,6 +74,10 @@ export class SessionManager {
     return s;
   }
 
+  all(): Session[] {
+    return [...this.sessions.values()];
+  }
+
   list(): SessionInfo[] {
     return [...this.sessions.values()].map((s) => s.info());
   }

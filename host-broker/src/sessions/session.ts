@@ -2,9 +2,10 @@ import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import type { ExecResult } from '../../../guest-agent/src/protocol/methods.ts';
+import type { CallUsage } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 import { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { FileTools } from '../../../guest-agent/src/workspace/file-tools.ts';
-import { type CallResult, type Route, type SessionInfo, type ToolName } from '../api/harness-protocol.ts';
+import { type CallResult, type Route, type SessionInfo, type SessionTelemetry, type ToolName } from '../api/harness-protocol.ts';
 import type { SandboxSpec, VmBackend, WakeInfo } from '../backends/backend.ts';
 import type { Admission } from '../admission.ts';
 import type { BrokerMetrics } from '../metrics.ts';
@@ -128,10 +129,15 @@ export class Session {
         queuedMs: r.queuedMs ?? 0,
         pushedBytes: r.pushedBytes ?? 0,
         pulledBytes: r.pulledBytes ?? 0,
+        ...(r.usage ? { usage: r.usage } : {}),
       });
-      this.log.info('call.done', { tool, route: r.route, totalMs: result.timing.totalMs, addedMs: result.timing.addedMs, woke: result.woke, wakeMs: result.timing.wakeMs, how: r.wake?.how, pushedBytes: r.pushedBytes, pulledBytes: r.pulledBytes });
+      this.log.info('call.done', { tool, route: r.route, totalMs: result.timing.totalMs, addedMs: result.timing.addedMs, woke: result.woke, wakeMs: result.timing.wakeMs, how: r.wake?.how, pushedBytes: r.pushedBytes, pulledBytes: r.pulledBytes, ...(r.usage ? { majorFaults: r.usage.majorFaults, swapReadBytes: r.usage.swapReadBytes } : {}) });
       return result;
     });
+  }
+
+  async telemetry(): Promise<SessionTelemetry> {
+    return { session: this.id, ...(await this.vm.telemetry()) };
   }
 
   /** A harness hint: a tool call is coming (start waking), or the agent went quiet (release now). */
@@ -225,6 +231,7 @@ export class Session {
       queuedMs,
       pushedBytes,
       pulledBytes,
+      usage: r.usage,
       result: {
         exitCode: r.exitCode,
         signal: r.signal,
@@ -252,6 +259,7 @@ interface Dispatched {
   queuedMs?: number;
   pushedBytes?: number;
   pulledBytes?: number;
+  usage?: CallUsage | undefined;
 }
 
 /** Keeps the first `cap` bytes of a stream for the result while forwarding every chunk. */

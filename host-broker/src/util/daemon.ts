@@ -30,6 +30,8 @@ export interface DaemonOptions {
   onLine?: (line: string) => void;
   /** Give the process its own process group so a stop reaches its children too. */
   group?: boolean;
+  /** Descriptors the child inherits as fd 3, 4, ... (e.g. a seccomp filter for bwrap). */
+  extraFds?: number[];
 }
 
 export function startDaemon(opts: DaemonOptions): Daemon {
@@ -38,7 +40,7 @@ export function startDaemon(opts: DaemonOptions): Daemon {
   const proc = spawn(file, args, {
     env: opts.env ?? process.env,
     cwd: opts.cwd,
-    stdio: ['ignore', 'pipe', 'pipe'],
+    stdio: ['ignore', 'pipe', 'pipe', ...(opts.extraFds ?? [])],
     detached: opts.group ?? false,
   });
   const lines: string[] = [];

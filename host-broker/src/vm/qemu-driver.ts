@@ -1,5 +1,5 @@
-import { closeSync, mkdirSync, openSync, ftruncateSync, rmSync, statSync } from 'node:fs';
-import { join } from 'node:path';
+import { closeSync, mkdirSync, openSync, ftruncateSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
@@ -7,6 +7,7 @@ import { kernelCmdline, microvmMachine } from '../../../kernel-configs/boot-para
 import { startDaemon, type Daemon } from '../util/daemon.ts';
 import { waitForSocket } from '../util/wait-for-socket.ts';
 import { QmpClient } from './qmp.ts';
+import { closeFd, guardedArgv, openGuardFilter } from './shared-ram-guard.ts';
 import { processMemory } from './smaps.ts';
 import type { Accel, MemoryBacking, SnapshotFiles, Vm, VmmDriver, VmSpec, VmStats } from './vmm.ts';
 import { DEFAULT_GUEST_CID, ensureVhostDeviceVsock, startVhostVsockBackend, validatePort, VHOST_USER_SOCKET_NAME, vsockSnapshotError, VSOCK_UDS_NAME, type VhostDeviceVsock } from './vsock.ts';
@@ -42,6 +43,9 @@ export interface QemuDriverOptions {
  * a file (share=on while the source runs), restores map it MAP_PRIVATE (share=off), so
  * every restored VM shares the pristine pages until it writes them.
  */
+const PDEATHSIG = ['setpriv', '--pdeathsig', 'SIGKILL', '--'];
+const PDEATHSIG_PREFIX = PDEATHSIG.length;
+
 export class QemuDriver implements VmmDriver {
   readonly name = 'qemu';
   readonly accel: Accel;
@@ -74,7 +78,10 @@ export class QemuDriver implements VmmDriver {
       ftruncateSync(fd, spec.swapMiB * 1024 * 1024);
       closeSync(fd);
     }
-    const argv = this.args(spec, memory, qmpPath, channelPath, snap !== undefined);
+    let argv = this.args(spec, memory, qmpPath, channelPath, snap !== undefined);
+    // A private mapping of a shared memory file: keep QEMU from punching holes in it.
+    const guardFd = memory && !memory.shared ? openGuardFilter(join(dirname(spec.dir), '.shared-ram-guard.bpf')) : undefined;
+    if (guardFd !== undefined) argv = [...argv.slice(0, PDEATHSIG_PREFIX), ...guardedArgv(argv.slice(PDEATHSIG_PREFIX))];
     const log = this.opts.log.child({ vm: spec.id });
     let backend: Daemon | undefined;
     if (vsock) {
@@ -91,18 +98,22 @@ export class QemuDriver implements VmmDriver {
       argv,
       log,
       group: true,
+      ...(guardFd !== undefined ? { extraFds: [guardFd] } : {}),
       interesting: /HUTCH_|panic|error|Kernel|qemu-system/i,
       onLine: (l) => {
         console.push(l);
         if (console.length > 200) console.shift();
       },
     });
+    if (guardFd !== undefined) closeFd(guardFd); // the child has its own copy
     let qmp: QmpClient | undefined;
     try {
       await waitForSocket(qmpPath, { proc: daemon.proc, timeoutMs: 15_000 });
       qmp = await QmpClient.connect(qmpPath);
       if (snap) await this.loadSnapshot(qmp, snap);
-      return new QemuVm(spec, daemon, this.accel, channelPath, qmp, console, backend);
+      // Under the guard, the spawned process is bwrap; stats and kills want QEMU itself.
+      const pid = guardFd !== undefined ? (qemuPids(spec.dir)[0] ?? daemon.pid) : daemon.pid;
+      return new QemuVm(spec, daemon, pid, this.accel, channelPath, qmp, console, backend);
     } catch (err) {
       qmp?.close();
       await daemon.stop(200);
@@ -127,7 +138,7 @@ export class QemuDriver implements VmmDriver {
     const vsock = spec.channel?.kind === 'vsock' ? spec.channel : undefined;
     const machine = [microvmMachine({ smp: spec.cpus, flavor: img.flavor })];
     const a: string[] = [
-      'setpriv', '--pdeathsig', 'SIGKILL', '--', // never outlive the broker, even if it is SIGKILLed
+      ...PDEATHSIG, // never outlive the broker, even if it is SIGKILLed
       this.opts.qemuBinary ?? 'qemu-system-x86_64',
       '-name', `${QEMU_TAG}:${spec.id},debug-threads=off`,
       ...(this.accel === 'kvm' ? ['-accel', 'kvm', '-cpu', 'host'] : ['-accel', `tcg,tb-size=${this.opts.tcgTbMiB ?? 64}`, '-cpu', 'max']),
@@ -178,6 +189,26 @@ export class QemuDriver implements VmmDriver {
   }
 }
 
+/**
+ * Pids of QEMU processes (not their wrappers) whose command line mentions `within`
+ * (a VM's directory, or a broker's data dir): for stats, and for tests and benches that
+ * look for leftovers.
+ */
+export function qemuPids(within: string): number[] {
+  const out: number[] = [];
+  for (const p of readdirSync('/proc')) {
+    if (!/^\d+$/.test(p)) continue;
+    try {
+      if (!readFileSync(`/proc/${p}/comm`, 'utf8').startsWith('qemu-system')) continue;
+      const c = readFileSync(`/proc/${p}/cmdline`, 'utf8');
+      if (c.includes(`${QEMU_TAG}:`) && c.includes(within)) out.push(Number(p));
+    } catch {
+      // gone
+    }
+  }
+  return out;
+}
+
 class QemuVm implements Vm {
   readonly exited: Promise<{ code: number | null; signal: string | null; console: string[] }>;
   private destroyed = false;
@@ -185,6 +216,8 @@ class QemuVm implements Vm {
   constructor(
     readonly spec: VmSpec,
     private readonly daemon: Daemon,
+    /** QEMU's own pid (the daemon may be a wrapper around it). */
+    private readonly qemuPid: number,
     readonly accel: Accel,
     readonly channelPath: string,
     readonly qmp: QmpClient,
@@ -197,7 +230,7 @@ class QemuVm implements Vm {
   }
 
   get pid(): number {
-    return this.daemon.pid;
+    return this.qemuPid;
   }
 
   get running(): boolean {

@@ -24,8 +24,12 @@ export interface Pristine extends SnapshotFiles {
   dir: string;
 }
 
-/** Bumped when the VM's device layout changes: a snapshot only restores into the same layout. */
-const LAYOUT_VERSION = 1;
+/**
+ * Bumped when the VM's device layout changes (a snapshot only restores into the same
+ * layout), or when snapshots made before a fix cannot be trusted: 2 = memory files written
+ * before restored VMs ran under the shared-RAM guard may have holes punched in them.
+ */
+const LAYOUT_VERSION = 2;
 
 /**
  * The pristine snapshot: one VM booted to a warm, ready agent, paused, its RAM kept in a

@@ -1,0 +1,92 @@
+/**
+ * The main job, end to end on the embedded defaults: a real broker (qemu backend, level 4
+ * policy) and real sandboxes driven through the SDK over WebSocket, the way a harness
+ * drives them. Three agents work on copies of the `datespan` starter project at once:
+ *
+ *   - file tools run in the broker on the host workspace ("inprocess"),
+ *   - read-only shell runs in the bubblewrap fast path ("fastpath"),
+ *   - the test suite runs in a microVM restored from the pristine snapshot ("vm"),
+ *   - an idle VM is released; one that changed ~/.gitconfig is snapshotted into a slot and
+ *     its next call restores it; live telemetry and /metrics at the end.
+ *
+ *   npx tsx examples/demo.ts [--sandboxes N] [--keep]
+ */
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { parseArgs } from 'node:util';
+import { Hutch, type Sandbox } from 'hutch';
+import { createLogger } from '../guest-agent/src/log.ts';
+import { serve } from '../host-broker/src/cli.ts';
+import { prepareWorkspace } from '../bench/lib/sessions.ts';
+
+const { values } = parseArgs({ options: { sandboxes: { type: 'string', default: '3' }, keep: { type: 'boolean', default: false } } });
+const n = Number(values.sandboxes);
+const bold = (s: string) => (process.stdout.isTTY ? `\x1b[1m${s}\x1b[0m` : s);
+const step = (s: string) => process.stdout.write(`\n${bold(`== ${s}`)}\n`);
+
+const dataDir = mkdtempSync(join(tmpdir(), 'hutch-demo-'));
+const token = randomBytes(16).toString('hex');
+step('starting the broker (first run builds the guest kernel, rootfs and pristine snapshot; cached afterwards)');
+const broker = await serve({ port: 0, host: '127.0.0.1', token, dataDir, policy: { idleMs: 3000 }, log: createLogger({ name: 'hutch-broker', level: 'warn' }) });
+const url = `ws://127.0.0.1:${broker.port}`;
+const hutch = await Hutch.connect(url, { token });
+process.stdout.write(`broker ${url}, backend ${hutch.backend}, accelerator ${hutch.accel ?? 'n/a'}\n`);
+
+const project = join(dataDir, 'project');
+prepareWorkspace('datespan', project);
+
+function show(i: number, what: string, r: { route: string; reason: string; woke: boolean; timing: { totalMs: number; addedMs: number; wakeMs: number } }, extra = ''): void {
+  const wake = r.woke ? ` woke in ${r.timing.wakeMs.toFixed(0)} ms` : '';
+  process.stdout.write(`[sandbox ${i}] ${what.padEnd(34)} route=${r.route.padEnd(9)} ${r.timing.totalMs.toFixed(0).padStart(6)} ms (added ${r.timing.addedMs.toFixed(0)} ms${wake})${extra}\n`);
+}
+
+async function agent(i: number): Promise<Sandbox> {
+  const sb = await hutch.create({ cpus: 1, memoryMiB: 512, workspace: { dir: project } });
+  const read = await sb.call('read', { filePath: 'datespan/parse.py', limit: 5 });
+  show(i, 'read datespan/parse.py', read);
+  const grep = await sb.run('grep -rn "def " datespan | head -3');
+  show(i, 'grep -rn "def " datespan', grep);
+  const tests = await sb.run('python3 -m unittest 2>&1 | tail -1', { timeoutMs: 600_000 });
+  show(i, 'python3 -m unittest', tests, `  -> ${tests.stdout.trim()} (datespan ships with one failing test)`);
+  return sb;
+}
+
+step(`${n} agents at once: file tool, read-only shell, test suite`);
+const t0 = Date.now();
+const sandboxes = await Promise.all(Array.from({ length: n }, (_, i) => agent(i)));
+process.stdout.write(`all ${n} done in ${((Date.now() - t0) / 1000).toFixed(1)} s\n`);
+
+step('state outside the workspace survives release (snapshot slot)');
+const sb0 = sandboxes[0] as Sandbox;
+const cfg = await sb0.run('git config --global user.name "Demo Agent" && echo ok');
+show(0, 'git config --global user.name ...', cfg);
+process.stdout.write('idle for 5 s: the broker releases every VM (kill when clean, snapshot when not)\n');
+await new Promise((r) => setTimeout(r, 5000));
+const again = await sb0.run('git config --global user.name');
+show(0, 'git config --global user.name', again, `  -> ${again.stdout.trim()}`);
+
+step('live telemetry (one sample of sandbox 0)');
+await hutch.telemetry({
+  session: sb0.id,
+  count: 1,
+  onSample: (e) => {
+    const s = e.sessions[0];
+    const m = s?.sample?.memory;
+    if (!m) return void process.stdout.write(`vm ${s?.vm}${s?.error ? `: ${s.error}` : ''}\n`);
+    const mib = (b: number) => `${(b / 1048576).toFixed(0)} MiB`;
+    process.stdout.write(`vm ${s.vm}: total ${mib(m.totalBytes)}, available ${mib(m.availableBytes)}, page cache ${mib(m.cacheBytes)}, zswap ${mib(m.zswapPoolBytes)}; processes: ${s.sample?.processes.map((p) => `${p.comm}(${mib(p.rssBytes)})`).join(' ')}\n`);
+  },
+});
+
+step('what the broker counted (/metrics excerpt)');
+const metrics = await (await fetch(`${url.replace('ws:', 'http:')}/metrics`)).text();
+for (const line of metrics.split('\n')) if (/^hutch_(calls_total|wakes_total|releases_total)\{/.test(line)) process.stdout.write(`${line}\n`);
+
+for (const sb of sandboxes) await sb.close();
+hutch.close();
+await broker.stop();
+if (values.keep) process.stdout.write(`\nkept ${dataDir}\n`);
+else rmSync(dataDir, { recursive: true, force: true });
+process.stdout.write(`\n${bold('demo finished')}: run your own with ./hutch serve, connect with the SDK (import { Hutch } from 'hutch').\n`);
