@@ -66,6 +66,7 @@ for (let i = 0; i < 3; i++) {
   await vm.destroy();
 }
 
+progress(`bare restores (ms): ${bareRestore.map((x) => x.toFixed(0)).join(' ')}`);
 // Wakes from the pristine snapshot, with a real project pushed each time.
 const project = join(dataDir, 'project');
 prepareWorkspace('salesreport', project);
@@ -77,6 +78,7 @@ for (let i = 0; i < WAKES; i++) {
   const r = await sb.run('true', { route: 'vm' });
   if (!r.woke) throw new Error('expected a wake');
   wakes.push(r.timing.wakeMs);
+  progress(`wake ${i + 1}/${WAKES}: ${r.timing.wakeMs.toFixed(0)} ms`);
   await released(sb);
   const rel = lastRelease(sb);
   if (rel?.decision !== 'kill') throw new Error(`expected a kill release, got ${rel?.decision}`);
@@ -84,7 +86,10 @@ for (let i = 0; i < WAKES; i++) {
 }
 progress(`wakes (ms): ${wakes.map((w) => w.toFixed(0)).join(' ')}`);
 
-// Dirty release into a slot, and the wake from it.
+// Dirty release into a slot, and the wake from it. A VM released this often would get
+// reclaim from the cost model (a snapshot per sub-second idle period is too much disk):
+// this section measures snapshots, so it asks for them.
+broker.policy.idlePolicy = 'snapshot';
 const snaps: number[] = [];
 const slotWakes: number[] = [];
 const slotBytes: number[] = [];

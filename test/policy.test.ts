@@ -110,7 +110,11 @@ describe('levels with real VMs', () => {
     brokers.push(b);
     const hutch = await b.connect();
     const sb = await hutch.create({});
-    const started = await sb.run('setsid python3 -c "import json, time; x = [str(i) * 50 for i in range(400000)]; time.sleep(3600)" > /dev/null 2>&1 < /dev/null & sleep 2; pgrep -c python3', { route: 'vm' });
+    // The server says when its ~140 MB are built, so "busy" is measured with them resident.
+    const started = await sb.run(
+      'setsid python3 -c "import time; x = [str(i) * 50 for i in range(400000)]; open(\'/tmp/ready\', \'w\').close(); time.sleep(3600)" > /dev/null 2>&1 < /dev/null & while [ ! -e /tmp/ready ]; do sleep 0.2; done; pgrep -c python3',
+      { route: 'vm', timeoutMs: 300_000 },
+    );
     expect(started.stdout.trim()).toBe('1');
     const [qemu] = qemuPids(b.dataDir);
     const busyPrivate = (await processMemory(qemu as number)).privateKiB * 1024;
@@ -125,7 +129,7 @@ describe('levels with real VMs', () => {
     expect(text).toMatch(/hutch_guest_vms\{state="reclaimed"\} 1/);
     // Reclaimed into zswap and freed pages reported: the host holds less for this VM.
     let idlePrivate = busyPrivate;
-    for (let i = 0; i < 20 && idlePrivate > busyPrivate - 40 * 1048576; i++) {
+    for (let i = 0; i < 90 && idlePrivate > busyPrivate - 40 * 1048576; i++) {
       await new Promise((r) => setTimeout(r, 1000));
       idlePrivate = (await processMemory(qemu as number)).privateKiB * 1024;
     }

@@ -1,5 +1,5 @@
 import { closeSync, mkdirSync, openSync, ftruncateSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
-import { dirname, join } from 'node:path';
+import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
@@ -7,7 +7,7 @@ import { kernelCmdline, microvmMachine } from '../../../kernel-configs/boot-para
 import { startDaemon, type Daemon } from '../util/daemon.ts';
 import { waitForSocket } from '../util/wait-for-socket.ts';
 import { QmpClient } from './qmp.ts';
-import { closeFd, guardedArgv, openGuardFilter } from './shared-ram-guard.ts';
+import { guardedArgv, sharedRamGuardFilter } from './shared-ram-guard.ts';
 import { processMemory } from './smaps.ts';
 import type { Accel, MemoryBacking, SnapshotFiles, Vm, VmmDriver, VmSpec, VmStats } from './vmm.ts';
 import { DEFAULT_GUEST_CID, ensureVhostDeviceVsock, startVhostVsockBackend, validatePort, VHOST_USER_SOCKET_NAME, vsockSnapshotError, VSOCK_UDS_NAME, type VhostDeviceVsock } from './vsock.ts';
@@ -80,8 +80,8 @@ export class QemuDriver implements VmmDriver {
     }
     let argv = this.args(spec, memory, qmpPath, channelPath, snap !== undefined);
     // A private mapping of a shared memory file: keep QEMU from punching holes in it.
-    const guardFd = memory && !memory.shared ? openGuardFilter(join(dirname(spec.dir), '.shared-ram-guard.bpf')) : undefined;
-    if (guardFd !== undefined) argv = [...argv.slice(0, PDEATHSIG_PREFIX), ...guardedArgv(argv.slice(PDEATHSIG_PREFIX))];
+    const guarded = memory !== undefined && !memory.shared;
+    if (guarded) argv = [...argv.slice(0, PDEATHSIG_PREFIX), ...guardedArgv(argv.slice(PDEATHSIG_PREFIX))];
     const log = this.opts.log.child({ vm: spec.id });
     let backend: Daemon | undefined;
     if (vsock) {
@@ -98,21 +98,20 @@ export class QemuDriver implements VmmDriver {
       argv,
       log,
       group: true,
-      ...(guardFd !== undefined ? { extraFds: [guardFd] } : {}),
+      ...(guarded ? { fd3Input: sharedRamGuardFilter() } : {}),
       interesting: /HUTCH_|panic|error|Kernel|qemu-system/i,
       onLine: (l) => {
         console.push(l);
         if (console.length > 200) console.shift();
       },
     });
-    if (guardFd !== undefined) closeFd(guardFd); // the child has its own copy
     let qmp: QmpClient | undefined;
     try {
       await waitForSocket(qmpPath, { proc: daemon.proc, timeoutMs: 15_000 });
       qmp = await QmpClient.connect(qmpPath);
       if (snap) await this.loadSnapshot(qmp, snap);
       // Under the guard, the spawned process is bwrap; stats and kills want QEMU itself.
-      const pid = guardFd !== undefined ? (qemuPids(spec.dir)[0] ?? daemon.pid) : daemon.pid;
+      const pid = guarded ? (qemuPids(spec.dir)[0] ?? daemon.pid) : daemon.pid;
       return new QemuVm(spec, daemon, pid, this.accel, channelPath, qmp, console, backend);
     } catch (err) {
       qmp?.close();

@@ -1,11 +1,9 @@
-import { closeSync, existsSync, mkdirSync, openSync, renameSync, writeFileSync } from 'node:fs';
-import { dirname } from 'node:path';
 import { Program } from '../fastpath/bpf.ts';
 import { AUDIT_ARCH_X86_64, OFF_ARCH, OFF_NR, SECCOMP_RET_ALLOW, argLow, retErrno, syscallNumber } from '../fastpath/seccomp-filter.ts';
 
 /** linux/falloc.h */
 const FALLOC_FL_PUNCH_HOLE = 0x02;
-/** The descriptor bwrap reads the filter from in the child. */
+/** The descriptor bwrap reads the filter from in the child (a pipe the broker writes it into). */
 const FILTER_FD = 3;
 
 /**
@@ -21,34 +19,19 @@ const FILTER_FD = 3;
  * else QEMU does is allowed: this is a guard for the shared file, not a sandbox.
  * (Swap-disk discards are swallowed the same way; the swap file stays sparse-ish.)
  */
+let compiled: Buffer | undefined;
+
 export function sharedRamGuardFilter(): Buffer {
+  if (compiled) return compiled;
   const p = new Program();
   p.loadAbs(OFF_ARCH).jump('eq', AUDIT_ARCH_X86_64, 1, 0).ret(SECCOMP_RET_ALLOW);
   p.loadAbs(OFF_NR).jump('eq', syscallNumber('fallocate'), 1, 0).ret(SECCOMP_RET_ALLOW);
   p.loadAbs(argLow(1)).jump('set', FALLOC_FL_PUNCH_HOLE, 0, 1).ret(retErrno(0)).ret(SECCOMP_RET_ALLOW);
-  return p.assemble();
+  compiled = p.assemble();
+  return compiled;
 }
 
 /** bwrap around QEMU: the whole host visible as it is (devices too), plus the filter. */
 export function guardedArgv(argv: string[]): string[] {
   return ['bwrap', '--dev-bind', '/', '/', '--die-with-parent', '--seccomp', String(FILTER_FD), '--', ...argv];
-}
-
-/** Opens the compiled filter (written once to `path`) for a child's fd 3; the caller closes it after spawning. */
-export function openGuardFilter(path: string): number {
-  if (!existsSync(path)) {
-    mkdirSync(dirname(path), { recursive: true });
-    const tmp = `${path}.tmp-${process.pid}`;
-    writeFileSync(tmp, sharedRamGuardFilter());
-    renameSync(tmp, path);
-  }
-  return openSync(path, 'r');
-}
-
-export function closeFd(fd: number): void {
-  try {
-    closeSync(fd);
-  } catch {
-    // already closed
-  }
 }
