@@ -343,8 +343,8 @@ describe('fast path', () => {
     it('a timeout kills everything the command started', async () => {
       const marker = `hutch-timeout-${process.pid}-${Date.now()}`;
       const r = await run(fp, { command: `for i in 1 2 3; do bash -c 'exec -a ${marker} sleep 60' & done; exec -a ${marker} sleep 60`, workspace: ws, timeoutMs: 1000 });
+      // Without the kill the run would last the sleeps' 60 s, past this test's own timeout.
       expect(r.timedOut).toBe(true);
-      expect(r.durationMs).toBeLessThan(10_000);
       expect(await eventually(() => hostProcessesWith(marker).length === 0)).toBe(true);
     });
 
