@@ -86,10 +86,7 @@ for (let i = 0; i < WAKES; i++) {
 }
 progress(`wakes (ms): ${wakes.map((w) => w.toFixed(0)).join(' ')}`);
 
-// Dirty release into a slot, and the wake from it. A VM released this often would get
-// reclaim from the cost model (a snapshot per sub-second idle period is too much disk):
-// this section measures snapshots, so it asks for them.
-broker.policy.idlePolicy = 'snapshot';
+// Dirty release into a slot, and the wake from it.
 const snaps: number[] = [];
 const slotWakes: number[] = [];
 const slotBytes: number[] = [];

@@ -26,10 +26,14 @@ describe('release cost model', () => {
   it('kills a clean VM with no live process, whatever could be kept', () => {
     expect(chooseRelease(DEFAULT_POLICY, base).decision).toBe('kill');
   });
-  it('snapshots a dirty VM when snapshots are cheap for how long it idles', () => {
+  it('snapshots a VM whose only state is changed files, however often it idles', () => {
     const c = chooseRelease(DEFAULT_POLICY, { ...base, dirty: true, dirtyPaths: ['home/tenant/.gitconfig'] });
     expect(c.decision).toBe('snapshot');
     expect(c.reason).toContain('home/tenant/.gitconfig');
+    expect(chooseRelease(DEFAULT_POLICY, { ...base, dirty: true, meanIdleMs: 100 }).decision).toBe('snapshot');
+  });
+  it('snapshots live processes when the session idles long enough for the disk', () => {
+    expect(chooseRelease(DEFAULT_POLICY, { ...base, processes: 1, meanIdleMs: 600_000 }).decision).toBe('snapshot');
   });
   it('reclaims when live processes would need a full snapshot every short idle period', () => {
     const c = chooseRelease(DEFAULT_POLICY, { ...base, processes: 2, meanIdleMs: 5000 });

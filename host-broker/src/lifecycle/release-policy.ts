@@ -36,11 +36,11 @@ const SNAPSHOT_BANDWIDTH_SHARE = 0.25;
 
 /**
  * The idle policy's cost model. A clean guest without live processes holds nothing the
- * host does not already have: kill it. Otherwise the state must survive, by a snapshot
- * (zero idle memory, writes up to the whole RAM per idle period) or by reclaim (the VM
- * stays, its memory goes to zswap/swap: tens of MiB written, some memory held). Reclaim
- * wins when snapshots would eat too much disk bandwidth for how often this session goes
- * idle, and the memory budget can hold a reclaimed VM; snapshot wins otherwise.
+ * host does not already have: kill it. Changed files alone go into a snapshot slot (zero
+ * idle memory). Live processes survive a snapshot (the whole RAM written per idle period)
+ * or reclaim (the VM stays, its memory goes to zswap/swap: tens of MiB written, some
+ * memory held): reclaim wins when snapshots would eat too much disk bandwidth for how
+ * often this session goes idle and the memory budget can hold a reclaimed VM.
  */
 export function chooseRelease(policy: SandboxPolicy, x: ReleaseInputs): ReleaseChoice {
   const what = describe(x);
@@ -61,8 +61,12 @@ function autoChoice(x: ReleaseInputs, prefix: string): ReleaseChoice {
   if (!x.dirty && x.processes === 0) return { decision: 'kill', reason: `${prefix}nothing outside /work and /tmp changed and no process is alive; the host workspace is the whole state` };
   const reclaimHeldMiB = Math.ceil(x.memoryMiB * RECLAIMED_RESIDENT_FRACTION);
   const reclaimFits = x.canReclaim && x.budgetFreeMiB >= reclaimHeldMiB;
+  // Changed files alone: a snapshot keeps them at zero idle memory, and the next wake restores it.
+  if (x.processes === 0 && x.canSuspend) return { decision: 'snapshot', reason: `${prefix}${what}; snapshot into a slot (zero idle memory)` };
   if (x.canSuspend) {
-    // Seconds of disk a snapshot costs vs the share of an idle period we allow it.
+    // Live processes survive either way: a snapshot writes the whole RAM per idle period,
+    // reclaim writes tens of MiB and holds some memory. Seconds of disk a snapshot costs vs
+    // the share of an idle period we allow it.
     const snapshotS = x.memoryMiB / x.diskMiBps;
     const allowedS = ((x.meanIdleMs ?? Number.POSITIVE_INFINITY) / 1000) * SNAPSHOT_BANDWIDTH_SHARE;
     if (reclaimFits && snapshotS > allowedS) {
