@@ -30,8 +30,8 @@ export interface DaemonOptions {
   onLine?: (line: string) => void;
   /** Give the process its own process group so a stop reaches its children too. */
   group?: boolean;
-  /** Bytes the child can read from its fd 3, a pipe closed after them (a seccomp filter for bwrap). */
-  fd3Input?: Buffer;
+  /** Descriptors the child inherits as fd 3, 4, ... (e.g. a seccomp filter for bwrap). */
+  extraFds?: number[];
 }
 
 export function startDaemon(opts: DaemonOptions): Daemon {
@@ -40,15 +40,9 @@ export function startDaemon(opts: DaemonOptions): Daemon {
   const proc = spawn(file, args, {
     env: opts.env ?? process.env,
     cwd: opts.cwd,
-    stdio: ['ignore', 'pipe', 'pipe', ...(opts.fd3Input ? (['pipe'] as const) : [])],
+    stdio: ['ignore', 'pipe', 'pipe', ...(opts.extraFds ?? [])],
     detached: opts.group ?? false,
   });
-  if (opts.fd3Input) {
-    const fd3 = proc.stdio[3] as NodeJS.WritableStream | null;
-    // A child that exits before reading it makes the write fail: its exit is reported anyway.
-    (fd3 as unknown as { on(e: 'error', f: () => void): void } | null)?.on('error', () => undefined);
-    fd3?.end(opts.fd3Input);
-  }
   const lines: string[] = [];
   const onLine = (line: string) => {
     lines.push(line);

@@ -7,7 +7,7 @@ import { kernelCmdline, microvmMachine } from '../../../kernel-configs/boot-para
 import { startDaemon, type Daemon } from '../util/daemon.ts';
 import { waitForSocket } from '../util/wait-for-socket.ts';
 import { QmpClient } from './qmp.ts';
-import { guardedArgv, sharedRamGuardFilter } from './shared-ram-guard.ts';
+import { closeFd, guardedArgv, openGuardFilter } from './shared-ram-guard.ts';
 import { processMemory } from './smaps.ts';
 import type { Accel, MemoryBacking, SnapshotFiles, Vm, VmmDriver, VmSpec, VmStats } from './vmm.ts';
 import { DEFAULT_GUEST_CID, ensureVhostDeviceVsock, startVhostVsockBackend, validatePort, VHOST_USER_SOCKET_NAME, vsockSnapshotError, VSOCK_UDS_NAME, type VhostDeviceVsock } from './vsock.ts';
@@ -80,7 +80,8 @@ export class QemuDriver implements VmmDriver {
     }
     let argv = this.args(spec, memory, qmpPath, channelPath, snap !== undefined);
     // A private mapping of a shared memory file: keep QEMU from punching holes in it.
-    const guarded = memory !== undefined && !memory.shared;
+    const guardFd = memory !== undefined && !memory.shared ? openGuardFilter() : undefined;
+    const guarded = guardFd !== undefined;
     if (guarded) argv = [...argv.slice(0, PDEATHSIG_PREFIX), ...guardedArgv(argv.slice(PDEATHSIG_PREFIX))];
     const log = this.opts.log.child({ vm: spec.id });
     let backend: Daemon | undefined;
@@ -98,13 +99,14 @@ export class QemuDriver implements VmmDriver {
       argv,
       log,
       group: true,
-      ...(guarded ? { fd3Input: sharedRamGuardFilter() } : {}),
+      ...(guardFd !== undefined ? { extraFds: [guardFd] } : {}),
       interesting: /HUTCH_|panic|error|Kernel|qemu-system/i,
       onLine: (l) => {
         console.push(l);
         if (console.length > 200) console.shift();
       },
     });
+    if (guardFd !== undefined) closeFd(guardFd); // the child has its own copy
     let qmp: QmpClient | undefined;
     try {
       await waitForSocket(qmpPath, { proc: daemon.proc, timeoutMs: 15_000 });

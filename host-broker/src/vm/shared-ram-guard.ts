@@ -1,9 +1,13 @@
+import { createHash } from 'node:crypto';
+import { closeSync, existsSync, openSync, renameSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { Program } from '../fastpath/bpf.ts';
 import { AUDIT_ARCH_X86_64, OFF_ARCH, OFF_NR, SECCOMP_RET_ALLOW, argLow, retErrno, syscallNumber } from '../fastpath/seccomp-filter.ts';
 
 /** linux/falloc.h */
 const FALLOC_FL_PUNCH_HOLE = 0x02;
-/** The descriptor bwrap reads the filter from in the child (a pipe the broker writes it into). */
+/** The descriptor bwrap reads the filter from in the child. */
 const FILTER_FD = 3;
 
 /**
@@ -34,4 +38,28 @@ export function sharedRamGuardFilter(): Buffer {
 /** bwrap around QEMU: the whole host visible as it is (devices too), plus the filter. */
 export function guardedArgv(argv: string[]): string[] {
   return ['bwrap', '--dev-bind', '/', '/', '--die-with-parent', '--seccomp', String(FILTER_FD), '--', ...argv];
+}
+
+/**
+ * Opens the compiled filter for a child's fd 3 (the caller closes it after spawning). It is
+ * written once per content to the temp dir: a file, not a pipe, so nothing of the broker's
+ * stays attached to the VM's process.
+ */
+export function openGuardFilter(): number {
+  const bpf = sharedRamGuardFilter();
+  const path = join(tmpdir(), `hutch-shared-ram-guard-${createHash('sha256').update(bpf).digest('hex').slice(0, 16)}.bpf`);
+  if (!existsSync(path)) {
+    const tmp = `${path}.tmp-${process.pid}`;
+    writeFileSync(tmp, bpf);
+    renameSync(tmp, path);
+  }
+  return openSync(path, 'r');
+}
+
+export function closeFd(fd: number): void {
+  try {
+    closeSync(fd);
+  } catch {
+    // already closed
+  }
 }
