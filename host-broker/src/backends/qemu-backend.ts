@@ -1,4 +1,4 @@
-import { mkdirSync, openSync, fsyncSync, closeSync, readFileSync, writeFileSync, statSync } from 'node:fs';
+import { mkdirSync, readFileSync, writeFileSync, statSync } from 'node:fs';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
@@ -10,6 +10,7 @@ import { hostTscKhz } from '../../../kernel-configs/boot-params.ts';
 import type { AgentClient } from '../agent-client.ts';
 import type { HostChanges } from '../sync/host-changes.ts';
 import { manifestFromJson, manifestToJson } from '../sync/manifest.ts';
+import { fsyncPath } from '../lifecycle/snapshot-slots.ts';
 import { WorkspaceMirror } from '../sync/workspace-mirror.ts';
 import { chooseAccel } from '../vm/accel.ts';
 import { connectAgent } from '../vm/agent-channel.ts';
@@ -230,7 +231,7 @@ class QemuSandbox implements Sandbox {
     const snap = await this.vm.snapshot(state);
     writeFileSync(manifest, manifestToJson(this.mirror.guestView ?? new Map()));
     // Durable before the slot becomes current: a crash must never leave a torn "last good" slot.
-    for (const f of [state, manifest]) fsyncFile(f);
+    for (const f of [state, manifest]) fsyncPath(f);
     await this.vm.destroy();
     this.onClose();
     const bytes = snap.stateBytes + statSync(manifest).size;
@@ -253,14 +254,5 @@ class QemuSandbox implements Sandbox {
       }
       throw err;
     }
-  }
-}
-
-function fsyncFile(path: string): void {
-  const fd = openSync(path, 'r');
-  try {
-    fsyncSync(fd);
-  } finally {
-    closeSync(fd);
   }
 }

@@ -92,7 +92,8 @@ export class SnapshotSlots {
   }
 }
 
-function fsyncPath(p: string): void {
+/** Makes a written file (or directory entry) durable before it is relied on. */
+export function fsyncPath(p: string): void {
   const fd = openSync(p, 'r');
   try {
     fsyncSync(fd);

@@ -1,3 +1,4 @@
+import { pidAlive } from '../../../build/cache.ts';
 import { createHash } from 'node:crypto';
 import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { execFileSync } from 'node:child_process';
@@ -59,7 +60,7 @@ export class SnapshotStore {
     }
     for (const n of names) {
       const m = /\.tmp-(\d+)$/.exec(n);
-      if (m && !alive(Number(m[1]))) {
+      if (m && !pidAlive(Number(m[1]))) {
         rmSync(join(root, n), { recursive: true, force: true });
         this.log.info('snapshot.abandoned_removed', { dir: n });
       }
@@ -166,7 +167,7 @@ async function acquireLock(lock: string, done: () => boolean, staleMs = 15 * 60_
       // being created
     }
     const age = Date.now() - (statSync(lock, { throwIfNoEntry: false })?.mtimeMs ?? Date.now());
-    if ((owner > 0 && !alive(owner)) || age > staleMs) {
+    if ((owner > 0 && !pidAlive(owner)) || age > staleMs) {
       rmSync(lock, { recursive: true, force: true });
       continue;
     }
@@ -174,12 +175,4 @@ async function acquireLock(lock: string, done: () => boolean, staleMs = 15 * 60_
   }
 }
 
-function alive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch {
-    return false;
-  }
-}
 
