@@ -1,6 +1,6 @@
-import { constants, promises as fsp } from 'node:fs';
+import { closeSync, constants, openSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
-import { basename, dirname } from 'node:path';
+import { assertProcfs, openFileAt, renameAt, unlinkAt } from './fd-path.ts';
 
 export interface AtomicWriteOptions {
   mode: number;
@@ -11,19 +11,42 @@ export interface AtomicWriteOptions {
   durable?: boolean;
 }
 
+/** A directory entry addressed through a held directory fd (see fd-path.ts). */
+export interface AtTarget {
+  dirFd: number;
+  name: Uint8Array;
+}
+
 /**
  * Writes a file so that readers see either the old content or the new, never a mix:
  * a temp file in the same directory, then rename over the target. On any failure (a full
  * disk included) the temp file is removed and the target is untouched.
+ *
+ * Give the target as a held directory + name (race-free: the temp file is created with
+ * O_EXCL|O_NOFOLLOW in that directory and renamed within it, and rename never follows the
+ * final name), or as a host path, whose directory is then opened by path first.
  */
 export async function writeFileAtomic(
-  abs: string,
+  target: string | Buffer | AtTarget,
   data: Uint8Array | AsyncIterable<Uint8Array>,
   opts: AtomicWriteOptions,
 ): Promise<number> {
-  const tmp = `${dirname(abs)}/.${basename(abs).slice(0, 64)}.hutch-${randomBytes(6).toString('hex')}.tmp`;
+  if (typeof target !== 'string' && !Buffer.isBuffer(target)) return writeAt(target.dirFd, Buffer.from(target.name), data, opts);
+  assertProcfs();
+  const abs = Buffer.from(target);
+  const slash = abs.lastIndexOf(0x2f);
+  const dirFd = openSync(slash <= 0 ? '/' : abs.subarray(0, slash), constants.O_RDONLY | constants.O_DIRECTORY);
+  try {
+    return await writeAt(dirFd, abs.subarray(slash + 1), data, opts);
+  } finally {
+    closeSync(dirFd);
+  }
+}
+
+async function writeAt(dirFd: number, name: Buffer, data: Uint8Array | AsyncIterable<Uint8Array>, opts: AtomicWriteOptions): Promise<number> {
+  const tmp = Buffer.concat([Buffer.from('.'), name.subarray(0, 64), Buffer.from(`.hutch-${randomBytes(6).toString('hex')}.tmp`)]);
   // O_EXCL|O_NOFOLLOW: never write through something planted at the temp name.
-  const fh = await fsp.open(tmp, constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL | constants.O_NOFOLLOW, opts.mode & 0o7777);
+  const fh = await openFileAt(dirFd, tmp, constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL, opts.mode & 0o7777);
   let written = 0;
   try {
     if (data instanceof Uint8Array) {
@@ -41,11 +64,15 @@ export async function writeFileAtomic(
     if (opts.mtimeMs !== undefined) await fh.utimes(new Date(), new Date(opts.mtimeMs));
     if (opts.durable) await fh.sync();
     await fh.close();
-    await fsp.rename(tmp, abs);
+    renameAt(dirFd, tmp, dirFd, name);
     return written;
   } catch (err) {
     await fh.close().catch(() => undefined);
-    await fsp.rm(tmp, { force: true }).catch(() => undefined);
+    try {
+      unlinkAt(dirFd, tmp);
+    } catch {
+      // never created or already gone
+    }
     throw err;
   }
 }

@@ -1,4 +1,4 @@
-import { constants, promises as fsp, type Stats } from 'node:fs';
+import { constants, type Stats } from 'node:fs';
 import type { z } from 'zod';
 import { HutchError, toHutchError } from '../protocol/errors.ts';
 import type {
@@ -15,8 +15,11 @@ import type {
   WriteParamsSchema,
 } from '../protocol/methods.ts';
 import { writeFileAtomic } from './atomic-write.ts';
-import type { ResolvedPath, Workspace } from './confine.ts';
+import type { ResolveOptions, Resolution, Workspace } from './confine.ts';
+import { lstatAt, openFileAt, readlinkAt, removeTreeAt, renameAt, rmdirAt, unlinkAt } from './fd-path.ts';
 import { compileGlob } from './glob-match.ts';
+import { nameFromBytes } from './names.ts';
+import { RegexSearch } from './regex-search.ts';
 import { countOccurrences, looksBinary, MAX_LINE_CHARS, splitLines } from './text.ts';
 import { walk, type WalkType } from './walk.ts';
 
@@ -28,12 +31,14 @@ export const DEFAULT_IGNORED_DIRS: ReadonlySet<string> = new Set([
 const SEARCH_SKIPPED_DIRS: ReadonlySet<string> = new Set(['.git', 'node_modules']);
 
 export interface FileToolsOptions {
-  /** Largest file read, edited or searched (bytes). */
+  /** Largest file read, written, edited or searched (bytes). */
   maxFileBytes?: number;
   /** Owner of files and directories the tools create (the tenant user in the guest). */
   owner?: { uid: number; gid: number };
   /** fsync writes (the host workspace is the source of truth). */
   durable?: boolean;
+  /** Budget of one grep (ms), after which it fails with `timeout` (see regex-search.ts). */
+  grepTimeoutMs?: number;
 }
 
 type In<S extends z.ZodType> = z.output<S>;
@@ -41,10 +46,15 @@ type In<S extends z.ZodType> = z.output<S>;
 const DEFAULT_READ_LIMIT = 2000;
 const DEFAULT_FILE_MODE = 0o644;
 const DEFAULT_DIR_MODE = 0o755;
+const DEFAULT_GREP_TIMEOUT_MS = 30_000;
 
 /**
  * The file tools with opencode's semantics, all confined to one workspace. The same
  * class serves the agent's fs.* methods in the guest and the broker's in-process calls.
+ *
+ * Every tool acts through the directory fds a `Resolution` holds (confine.ts) and walks by
+ * fds (walk.ts): no path string is re-resolved between the check and the use, so a tenant
+ * process changing the tree meanwhile cannot redirect a call out of the workspace.
  */
 export class FileTools {
   private readonly maxFileBytes: number;
@@ -57,9 +67,8 @@ export class FileTools {
   }
 
   async read(p: In<typeof ReadParamsSchema>): Promise<ResultOf<'fs.read'>> {
-    return this.guard(p.path, async () => {
-      const r = this.ws.resolve(p.path);
-      const buf = await this.readRegular(r, p.path);
+    return this.at(p.path, {}, async (r) => {
+      const { buf } = await this.readRegular(r, p.path);
       if (looksBinary(buf)) throw new HutchError('binary_file', `${p.path} is a binary file`, { path: p.path, bytes: buf.length });
       const all = splitLines(buf.toString('utf8'));
       const offset = p.offset ?? 0;
@@ -95,16 +104,13 @@ export class FileTools {
   }
 
   async write(p: In<typeof WriteParamsSchema>): Promise<ResultOf<'fs.write'>> {
-    return this.guard(p.path, async () => {
-      const data = typeof p.content === 'string' ? Buffer.from(p.content, 'utf8') : p.content;
-      if (data.length > this.maxFileBytes) {
-        throw new HutchError('too_large', `${data.length} bytes exceeds the file limit of ${this.maxFileBytes}`, { path: p.path, limit: this.maxFileBytes });
-      }
-      const r = this.ws.resolve(p.path, { missing: 'parents' });
-      if (r.stat?.isDirectory() || r.rel === '') throw new HutchError('is_a_directory', `${p.path} is a directory`, { path: p.path });
+    const data = typeof p.content === 'string' ? Buffer.from(p.content, 'utf8') : p.content;
+    this.checkSize(data.length, p.path);
+    return this.at(p.path, { missing: 'parents' }, async (r) => {
+      if (r.isRoot || r.stat?.isDirectory()) throw new HutchError('is_a_directory', `${p.path} is a directory`, { path: p.path });
       if (r.stat && !r.stat.isFile()) throw new HutchError('bad_request', `${p.path} is not a regular file`, { path: p.path });
-      await this.makeParents(r);
-      await writeFileAtomic(r.abs, data, {
+      r.makeParents(DEFAULT_DIR_MODE, this.opts.owner);
+      await writeFileAtomic({ dirFd: r.dirFd, name: r.name }, data, {
         mode: p.mode ?? (r.stat ? r.stat.mode : DEFAULT_FILE_MODE),
         owner: r.stat ? { uid: r.stat.uid, gid: r.stat.gid } : this.opts.owner,
         durable: this.opts.durable ?? false,
@@ -114,17 +120,19 @@ export class FileTools {
   }
 
   async edit(p: In<typeof EditParamsSchema>): Promise<ResultOf<'fs.edit'>> {
-    return this.guard(p.path, async () => {
-      if (p.oldString === p.newString) throw new HutchError('bad_request', 'oldString and newString are identical', { path: p.path });
-      const r = this.ws.resolve(p.path, { missing: p.oldString === '' ? 'parents' : 'none' });
-      if (p.oldString === '') {
-        // Empty oldString creates a file (opencode); refusing to clobber content keeps it lossless.
+    if (p.oldString === p.newString) throw new HutchError('bad_request', 'oldString and newString are identical', { path: p.path });
+    if (p.oldString === '') {
+      // Empty oldString creates a file (opencode); refusing to clobber content keeps it lossless.
+      await this.at(p.path, { missing: 'parents' }, async (r) => {
         if (r.stat && (!r.stat.isFile() || r.stat.size > 0)) {
           throw new HutchError('already_exists', `${p.path} exists and is not empty; an empty oldString only creates files`, { path: p.path });
         }
-        return this.write({ path: p.path, content: p.newString }).then((w) => ({ path: w.path, replacements: 1, bytes: w.bytes }));
-      }
-      const buf = await this.readRegular(r, p.path);
+      });
+      const w = await this.write({ path: p.path, content: p.newString });
+      return { path: w.path, replacements: 1, bytes: w.bytes };
+    }
+    return this.at(p.path, {}, async (r) => {
+      const { buf, st } = await this.readRegular(r, p.path);
       if (looksBinary(buf)) throw new HutchError('binary_file', `${p.path} is a binary file`, { path: p.path });
       const text = buf.toString('utf8');
       const n = countOccurrences(text, p.oldString);
@@ -132,88 +140,81 @@ export class FileTools {
       if (n > 1 && !p.replaceAll) {
         throw new HutchError('multiple_matches', `oldString matches ${n} times in ${p.path}; give more context or set replaceAll`, { path: p.path, matches: n });
       }
+      const replaced = p.replaceAll ? n : 1;
+      // Refused before the new text is built: replaceAll can multiply a file's size.
+      this.checkSize(Buffer.byteLength(text) + replaced * (Buffer.byteLength(p.newString) - Buffer.byteLength(p.oldString)), p.path);
       const next = p.replaceAll ? text.split(p.oldString).join(p.newString) : text.replace(p.oldString, () => p.newString);
       const data = Buffer.from(next, 'utf8');
-      const st = r.stat as Stats;
-      await writeFileAtomic(r.abs, data, { mode: st.mode, owner: { uid: st.uid, gid: st.gid }, durable: this.opts.durable ?? false });
-      return { path: this.ws.display(r.rel), replacements: p.replaceAll ? n : 1, bytes: data.length };
+      this.checkSize(data.length, p.path);
+      await writeFileAtomic({ dirFd: r.dirFd, name: r.name }, data, { mode: st.mode, owner: { uid: st.uid, gid: st.gid }, durable: this.opts.durable ?? false });
+      return { path: this.ws.display(r.rel), replacements: replaced, bytes: data.length };
     });
   }
 
   async glob(p: In<typeof GlobParamsSchema>): Promise<ResultOf<'fs.glob'>> {
-    return this.guard(p.path ?? '.', async () => {
-      const base = this.dir(p.path);
-      const match = compileGlob(p.pattern);
+    const match = compileGlob(p.pattern);
+    return this.at(p.path ?? '.', {}, async (base) => {
       const limit = p.limit ?? 100;
       const found: Array<{ rel: string; mtime: number }> = [];
-      for await (const e of walk(base.abs, { skipDirs: SEARCH_SKIPPED_DIRS })) {
+      for await (const e of walk(this.dirFd(base, p.path), { skipDirs: SEARCH_SKIPPED_DIRS })) {
         if (e.type === 'dir' || !match(e.rel)) continue;
-        const st = await fsp.lstat(`${base.abs}/${e.rel}`).catch(() => undefined);
+        const st = lstatAt(e.dirFd, e.name);
         if (st) found.push({ rel: e.rel, mtime: st.mtimeMs });
       }
       // Newest first, as opencode: the file the agent just touched is what it looks for.
       found.sort((a, b) => b.mtime - a.mtime || (a.rel < b.rel ? -1 : 1));
-      return { files: found.slice(0, limit).map((f) => this.childDisplay(base, f.rel)), truncated: found.length > limit };
+      return { files: found.slice(0, limit).map((f) => childRel(base, f.rel)), truncated: found.length > limit };
     });
   }
 
   async grep(p: In<typeof GrepParamsSchema>): Promise<ResultOf<'fs.grep'>> {
-    return this.guard(p.path ?? '.', async () => {
-      let re: RegExp;
-      try {
-        re = new RegExp(p.pattern, p.ignoreCase ? 'i' : '');
-      } catch (err) {
-        throw new HutchError('bad_request', `invalid regular expression: ${(err as Error).message}`, { pattern: p.pattern });
-      }
-      const include = p.include ? compileGlob(p.include) : undefined;
-      const limit = p.limit ?? 100;
-      const start = this.ws.resolve(p.path ?? '.');
-      const files: Array<{ rel: string; abs: string }> = [];
-      if (start.stat?.isFile()) files.push({ rel: start.rel, abs: start.abs });
-      else if (start.stat?.isDirectory()) {
-        for await (const e of walk(start.abs, { skipDirs: SEARCH_SKIPPED_DIRS })) {
-          if (e.type !== 'file' || (include && !include(e.rel))) continue;
-          files.push({ rel: start.rel === '' ? e.rel : `${start.rel}/${e.rel}`, abs: `${start.abs}/${e.rel}` });
-        }
-      } else throw new HutchError('bad_request', `${p.path} is neither a file nor a directory`, { path: p.path });
-
-      const perFile: Array<{ mtime: number; matches: Array<{ path: string; line: number; text: string }> }> = [];
-      let total = 0;
-      for (const f of files) {
-        const fh = await fsp.open(f.abs, constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK).catch(() => undefined);
-        if (!fh) continue;
-        try {
-          const st = await fh.stat();
-          if (!st.isFile() || st.size > this.maxFileBytes) continue;
-          const buf = await fh.readFile();
-          if (looksBinary(buf)) continue;
-          const matches: Array<{ path: string; line: number; text: string }> = [];
-          splitLines(buf.toString('utf8')).forEach((line, i) => {
-            if (re.test(line)) matches.push({ path: f.rel, line: i + 1, text: line.length > MAX_LINE_CHARS ? line.slice(0, MAX_LINE_CHARS) + '...' : line });
-          });
-          if (matches.length) {
-            perFile.push({ mtime: st.mtimeMs, matches });
-            total += matches.length;
-          }
-        } finally {
-          await fh.close();
-        }
-      }
-      perFile.sort((a, b) => b.mtime - a.mtime);
-      const all = perFile.flatMap((x) => x.matches);
-      return { matches: all.slice(0, limit), truncated: total > limit, filesSearched: files.length };
+    const limit = p.limit ?? 100;
+    const search = new RegexSearch(p.pattern, p.ignoreCase ? 'i' : '', {
+      perFileLimit: limit,
+      maxLineChars: MAX_LINE_CHARS,
+      deadlineMs: this.opts.grepTimeoutMs ?? DEFAULT_GREP_TIMEOUT_MS,
     });
+    const include = p.include ? compileGlob(p.include) : undefined;
+    try {
+      return await this.at(p.path ?? '.', {}, async (start) => {
+        // Searched files in the order their contents went to the search.
+        const files: Array<{ rel: string; mtime: number }> = [];
+        let candidates = 0;
+        const consider = async (dirFd: number, name: Buffer, rel: string) => {
+          candidates++;
+          const f = await this.readForSearch(dirFd, name);
+          if (!f) return;
+          files.push({ rel, mtime: f.mtime });
+          await search.add(f.buf);
+        };
+        if (start.stat?.isFile()) await consider(start.dirFd, start.name, start.rel);
+        else if (start.stat?.isDirectory()) {
+          for await (const e of walk(start.openDir(), { skipDirs: SEARCH_SKIPPED_DIRS })) {
+            if (e.type !== 'file' || (include && !include(e.rel))) continue;
+            await consider(e.dirFd, e.name, childRel(start, e.rel));
+          }
+        } else throw new HutchError('bad_request', `${p.path} is neither a file nor a directory`, { path: p.path });
+
+        const results = await search.finish();
+        const perFile = files.map((f, i) => ({ ...f, found: results[i] as { count: number; matches: Array<{ line: number; text: string }> } }));
+        const total = perFile.reduce((t, f) => t + f.found.count, 0);
+        perFile.sort((a, b) => b.mtime - a.mtime);
+        const all = perFile.flatMap((f) => f.found.matches.map((m) => ({ path: f.rel, line: m.line, text: m.text })));
+        return { matches: all.slice(0, limit), truncated: total > limit, filesSearched: candidates };
+      });
+    } finally {
+      search.close();
+    }
   }
 
   async list(p: In<typeof ListParamsSchema>): Promise<ResultOf<'fs.list'>> {
-    return this.guard(p.path ?? '.', async () => {
-      const base = this.dir(p.path);
+    const ignore = p.ignore?.length ? p.ignore.map((g) => compileGlob(g)) : [];
+    return this.at(p.path ?? '.', {}, async (base) => {
       const limit = p.limit ?? 100;
-      const ignore = p.ignore?.length ? p.ignore.map((g) => compileGlob(g)) : [];
       const entries: Array<{ path: string; type: WalkType }> = [];
       let truncated = false;
       const skip = (rel: string) => ignore.some((m) => m(rel));
-      for await (const e of walk(base.abs, { skipDirs: DEFAULT_IGNORED_DIRS, skip })) {
+      for await (const e of walk(this.dirFd(base, p.path), { skipDirs: DEFAULT_IGNORED_DIRS, skip })) {
         if (entries.length >= limit) {
           truncated = true;
           break;
@@ -225,105 +226,119 @@ export class FileTools {
   }
 
   async stat(p: In<typeof StatParamsSchema>): Promise<ResultOf<'fs.stat'>> {
-    return this.guard(p.path, async () => {
-      const r = this.ws.resolve(p.path, { followFinal: false });
+    return this.at(p.path, { followFinal: false }, async (r) => {
       const st = r.stat as Stats;
       const type = entryType(st);
       const out: ResultOf<'fs.stat'> = { path: this.ws.display(r.rel), type, size: st.size, mode: st.mode & 0o7777, mtimeMs: st.mtimeMs };
-      if (type === 'symlink') out.target = await fsp.readlink(r.abs);
+      if (type === 'symlink') out.target = nameFromBytes(readlinkAt(r.dirFd, r.name));
       return out;
     });
   }
 
   async mkdir(p: In<typeof MkdirParamsSchema>): Promise<ResultOf<'fs.mkdir'>> {
-    return this.guard(p.path, async () => {
-      const r = this.ws.resolve(p.path, { missing: p.parents ? 'parents' : 'final' });
+    return this.at(p.path, { missing: p.parents ? 'parents' : 'final' }, async (r) => {
       if (r.stat) {
         if (r.stat.isDirectory() && p.parents) return { path: this.ws.display(r.rel), created: false };
         throw new HutchError('already_exists', `${p.path} already exists`, { path: p.path });
       }
-      await this.makeParents(r, true);
+      r.makeParents(DEFAULT_DIR_MODE, this.opts.owner, true);
       return { path: this.ws.display(r.rel), created: true };
     });
   }
 
   async remove(p: In<typeof RemoveParamsSchema>): Promise<ResultOf<'fs.remove'>> {
-    return this.guard(p.path, async () => {
-      const r = this.ws.resolve(p.path, { followFinal: false });
-      if (r.rel === '') throw new HutchError('bad_request', 'refusing to remove the workspace root', { path: p.path });
+    return this.at(p.path, { followFinal: false }, async (r) => {
+      if (r.isRoot) throw new HutchError('bad_request', 'refusing to remove the workspace root', { path: p.path });
       const st = r.stat as Stats;
       if (st.isDirectory()) {
-        if (p.recursive) await fsp.rm(r.abs, { recursive: true });
-        else await fsp.rmdir(r.abs);
-      } else await fsp.unlink(r.abs);
+        if (p.recursive) await removeTreeAt(r.dirFd, r.name);
+        else rmdirAt(r.dirFd, r.name);
+      } else unlinkAt(r.dirFd, r.name);
       return { path: this.ws.display(r.rel), removed: true };
     });
   }
 
   async move(p: In<typeof MoveParamsSchema>): Promise<ResultOf<'fs.move'>> {
-    return this.guard(p.from, async () => {
-      const from = this.ws.resolve(p.from, { followFinal: false });
-      const to = this.ws.resolve(p.to, { followFinal: false, missing: 'parents' });
-      if (from.rel === '' || to.rel === '') throw new HutchError('bad_request', 'cannot move the workspace root', { from: p.from, to: p.to });
-      if (to.rel === from.rel || to.rel.startsWith(`${from.rel}/`)) throw new HutchError('bad_request', `cannot move ${p.from} into itself`, { from: p.from, to: p.to });
-      if (to.stat && !p.overwrite) throw new HutchError('already_exists', `${p.to} already exists`, { path: p.to });
-      await this.makeParents(to);
-      await fsp.rename(from.abs, to.abs);
-      return { from: this.ws.display(from.rel), to: this.ws.display(to.rel) };
-    });
+    return this.at(p.from, { followFinal: false }, (from) =>
+      this.at(p.to, { followFinal: false, missing: 'parents' }, async (to) => {
+        if (from.isRoot || to.isRoot) throw new HutchError('bad_request', 'cannot move the workspace root', { from: p.from, to: p.to });
+        const inside = to.raw.length > from.raw.length && to.raw[from.raw.length] === 0x2f && to.raw.subarray(0, from.raw.length).equals(from.raw);
+        if (to.raw.equals(from.raw) || inside) throw new HutchError('bad_request', `cannot move ${p.from} into itself`, { from: p.from, to: p.to });
+        if (to.stat && !p.overwrite) throw new HutchError('already_exists', `${p.to} already exists`, { path: p.to });
+        to.makeParents(DEFAULT_DIR_MODE, this.opts.owner);
+        renameAt(from.dirFd, from.name, to.dirFd, to.name);
+        return { from: this.ws.display(from.rel), to: this.ws.display(to.rel) };
+      }),
+    );
   }
 
   // ------------------------------------------------------------ helpers
 
-  /** Runs a tool, turning errno failures into typed errors that name the tenant path, never the host path. */
-  private async guard<T>(path: string, fn: () => Promise<T>): Promise<T> {
+  /**
+   * Resolves a tenant path, runs a tool on it with its directories held open, releases
+   * them, and turns errno failures into typed errors that name the tenant path, never the
+   * host path.
+   */
+  private async at<T>(path: string, opts: ResolveOptions, fn: (r: Resolution) => Promise<T>): Promise<T> {
     try {
-      return await fn();
+      const r = this.ws.open(path, opts);
+      try {
+        return await fn(r);
+      } finally {
+        r.close();
+      }
     } catch (err) {
       throw toHutchError(err, { path });
     }
   }
 
-  private dir(p: string | undefined): ResolvedPath {
-    const r = this.ws.resolve(p ?? '.');
-    if (!r.stat?.isDirectory()) throw new HutchError('not_a_directory', `${p} is not a directory`, { path: p });
-    return r;
+  private checkSize(bytes: number, path: string): void {
+    if (bytes > this.maxFileBytes) {
+      throw new HutchError('too_large', `${bytes} bytes exceeds the file limit of ${this.maxFileBytes}`, { path, bytes, limit: this.maxFileBytes });
+    }
   }
 
-  private childDisplay(base: ResolvedPath, rel: string): string {
-    return base.rel === '' ? rel : `${base.rel}/${rel}`;
+  private dirFd(r: Resolution, shown: string | undefined): number {
+    if (!r.stat?.isDirectory()) throw new HutchError('not_a_directory', `${shown} is not a directory`, { path: shown });
+    return r.openDir();
   }
 
   /** Reads a regular file without following a final symlink and without blocking on a FIFO. */
-  private async readRegular(r: ResolvedPath, shown: string): Promise<Buffer> {
+  private async readRegular(r: Resolution, shown: string): Promise<{ buf: Buffer; st: Stats }> {
     if (!r.stat) throw new HutchError('not_found', `no such file: ${shown}`, { path: shown });
     if (r.stat.isDirectory()) throw new HutchError('is_a_directory', `${shown} is a directory`, { path: shown });
     if (!r.stat.isFile()) throw new HutchError('bad_request', `${shown} is not a regular file`, { path: shown });
-    if (r.stat.size > this.maxFileBytes) {
-      throw new HutchError('too_large', `${shown} is ${r.stat.size} bytes, above the limit of ${this.maxFileBytes}`, { path: shown, bytes: r.stat.size, limit: this.maxFileBytes });
-    }
-    const fh = await fsp.open(r.abs, constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK);
+    const fh = await openFileAt(r.dirFd, r.name, constants.O_RDONLY | constants.O_NONBLOCK);
     try {
       const st = await fh.stat();
       if (!st.isFile() || st.ino !== r.stat.ino) throw new HutchError('bad_request', `${shown} changed while being opened`, { path: shown });
-      return await fh.readFile();
+      if (st.size > this.maxFileBytes) {
+        throw new HutchError('too_large', `${shown} is ${st.size} bytes, above the limit of ${this.maxFileBytes}`, { path: shown, bytes: st.size, limit: this.maxFileBytes });
+      }
+      return { buf: await fh.readFile(), st };
     } finally {
       await fh.close();
     }
   }
 
-  /** Creates the missing directories of a resolved path (all of them with `includeFinal`). */
-  private async makeParents(r: ResolvedPath, includeFinal = false): Promise<void> {
-    const depth = includeFinal ? r.missingDepth : r.missingDepth - 1;
-    if (depth <= 0) return;
-    const parts = r.rel.split('/');
-    const upto = includeFinal ? parts.length : parts.length - 1;
-    for (let i = upto - depth; i < upto; i++) {
-      const abs = this.ws.hostPath(parts.slice(0, i + 1).join('/'));
-      await fsp.mkdir(abs, { mode: DEFAULT_DIR_MODE });
-      if (this.opts.owner) await fsp.chown(abs, this.opts.owner.uid, this.opts.owner.gid);
+  /** A searchable file's content, or undefined for what grep skips (unreadable, special, too large, binary). */
+  private async readForSearch(dirFd: number, name: Buffer): Promise<{ buf: Buffer; mtime: number } | undefined> {
+    const fh = await openFileAt(dirFd, name, constants.O_RDONLY | constants.O_NONBLOCK).catch(() => undefined);
+    if (!fh) return undefined;
+    try {
+      const st = await fh.stat();
+      if (!st.isFile() || st.size > this.maxFileBytes) return undefined;
+      const buf = await fh.readFile();
+      return looksBinary(buf) ? undefined : { buf, mtime: st.mtimeMs };
+    } finally {
+      await fh.close();
     }
   }
+}
+
+/** A walked entry's path as the tenant names it (relative to the workspace, not the walk's start). */
+function childRel(base: Resolution, rel: string): string {
+  return base.rel === '' ? rel : `${base.rel}/${rel}`;
 }
 
 export function entryType(st: Stats): WalkType {

@@ -1,11 +1,22 @@
-import { promises as fsp } from 'node:fs';
+import { constants, openSync } from 'node:fs';
 import { isAtomicTempName } from './atomic-write.ts';
+import { assertProcfs, closeQuietly, joinNames, openDirAt, readDirAt } from './fd-path.ts';
+import { nameFromBytes } from './names.ts';
 
 export type WalkType = 'file' | 'dir' | 'symlink' | 'other';
 export interface WalkEntry {
-  /** Path relative to the walk's start ('' never appears). */
+  /** Path relative to the walk's start ('' never appears), odd bytes surrogate-escaped (names.ts). */
   rel: string;
+  /** The same path as raw name bytes. */
+  raw: Buffer;
   type: WalkType;
+  /**
+   * The directory holding the entry and its raw name: act on the entry through
+   * fd-path.ts (openFileAt(dirFd, name), lstatAt...) and nothing can redirect it. Valid
+   * only until the walk resumes (the next iteration).
+   */
+  dirFd: number;
+  name: Buffer;
 }
 
 export interface WalkOptions {
@@ -17,34 +28,97 @@ export interface WalkOptions {
   limit?: number;
 }
 
+interface Frame {
+  fd: number;
+  raw: Buffer;
+  /** Subdirectories still to descend into, in order. */
+  subdirs: Buffer[];
+}
+
 /**
- * Depth-first walk that never follows symlinks (a link is reported, not entered), so it
- * cannot leave the tree it started in. Entries come sorted by name within a directory,
- * which makes results deterministic.
+ * Walk that never follows symlinks (a link is reported, not entered), so it cannot leave
+ * the tree it started in: each directory is opened from its parent's held fd with
+ * O_NOFOLLOW|O_DIRECTORY and listed through that fd, so a directory swapped for a symlink
+ * mid-walk is skipped, never entered. Entries come sorted by name within a directory
+ * (deterministic results); a directory's entries all come before its subdirectories'.
+ *
+ * `start` is a host path (trusted: opened as given) or a directory fd the caller holds
+ * (not closed here). Holds one fd per level of the current branch.
  */
-export async function* walk(startAbs: string, opts: WalkOptions = {}): AsyncGenerator<WalkEntry> {
-  const stack: string[] = [''];
-  let count = 0;
-  while (stack.length > 0) {
-    const relDir = stack.pop() as string;
-    let dirents;
+export async function* walk(start: string | number, opts: WalkOptions = {}): AsyncGenerator<WalkEntry> {
+  let startFd: number;
+  if (typeof start === 'number') startFd = start;
+  else {
+    assertProcfs();
     try {
-      dirents = await fsp.readdir(relDir === '' ? startAbs : `${startAbs}/${relDir}`, { withFileTypes: true });
+      startFd = openSync(start, constants.O_RDONLY | constants.O_DIRECTORY);
     } catch {
-      continue; // vanished or unreadable while walking: skip, as find does
+      return; // nothing to walk, as find on a missing directory prints nothing useful
     }
-    dirents.sort((a, b) => (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));
-    const subdirs: string[] = [];
-    for (const d of dirents) {
-      if (isAtomicTempName(d.name)) continue;
-      const rel = relDir === '' ? d.name : `${relDir}/${d.name}`;
-      const type: WalkType = d.isFile() ? 'file' : d.isDirectory() ? 'dir' : d.isSymbolicLink() ? 'symlink' : 'other';
-      if (type === 'dir' && opts.skipDirs?.has(d.name)) continue;
-      if (opts.skip?.(rel, type)) continue;
-      yield { rel, type };
-      if (opts.limit !== undefined && ++count >= opts.limit) return;
-      if (type === 'dir') subdirs.push(rel);
-    }
-    for (let i = subdirs.length - 1; i >= 0; i--) stack.push(subdirs[i] as string);
   }
+  const stack: Frame[] = [];
+  let count = 0;
+  try {
+    let frame: Frame | undefined = { fd: startFd, raw: Buffer.alloc(0), subdirs: [] };
+    while (frame) {
+      stack.push(frame);
+      for await (const e of listDir(frame, opts)) {
+        yield e;
+        if (opts.limit !== undefined && ++count >= opts.limit) return;
+      }
+      frame = undefined;
+      // Next: the first pending subdirectory of the deepest frame that has one.
+      while (!frame && stack.length > 0) {
+        const top = stack[stack.length - 1] as Frame;
+        const next = top.subdirs.shift();
+        if (next === undefined) {
+          const done = stack.pop() as Frame;
+          if (done.fd !== startFd) closeQuietly(done.fd);
+          continue;
+        }
+        const fd = openChild(top.fd, next);
+        if (fd !== undefined) frame = { fd, raw: top.raw.length ? joinNames([top.raw, next]) : next, subdirs: [] };
+      }
+    }
+  } finally {
+    for (const f of stack) if (f.fd !== startFd) closeQuietly(f.fd);
+    if (typeof start !== 'number') closeQuietly(startFd);
+  }
+}
+
+async function* listDir(frame: Frame, opts: WalkOptions): AsyncGenerator<WalkEntry> {
+  let entries;
+  try {
+    entries = await readDirAt(frame.fd);
+  } catch (err) {
+    if (isFdExhaustion(err)) throw err;
+    return; // unreadable: skip, as find does
+  }
+  entries.sort((a, b) => Buffer.compare(a.name, b.name));
+  for (const d of entries) {
+    const nameStr = nameFromBytes(d.name);
+    if (isAtomicTempName(nameStr)) continue;
+    const raw = frame.raw.length ? joinNames([frame.raw, d.name]) : d.name;
+    const rel = nameFromBytes(raw);
+    if (d.type === 'dir' && opts.skipDirs?.has(nameStr)) continue;
+    if (opts.skip?.(rel, d.type)) continue;
+    yield { rel, raw, type: d.type, dirFd: frame.fd, name: d.name };
+    if (d.type === 'dir') frame.subdirs.push(d.name);
+  }
+}
+
+/** Opens a subdirectory from its parent's fd; undefined if it vanished or is no longer a directory. */
+function openChild(parentFd: number, name: Buffer): number | undefined {
+  try {
+    return openDirAt(parentFd, name);
+  } catch (err) {
+    // Running out of fds must not look like an empty directory (sync would delete its files).
+    if (isFdExhaustion(err)) throw err;
+    return undefined;
+  }
+}
+
+function isFdExhaustion(err: unknown): boolean {
+  const code = (err as NodeJS.ErrnoException).code;
+  return code === 'EMFILE' || code === 'ENFILE';
 }

@@ -1,0 +1,279 @@
+import { cpus } from 'node:os';
+import { Worker } from 'node:worker_threads';
+import { HutchError } from '../protocol/errors.ts';
+
+/**
+ * grep's regular expressions run off the event loop, in a small pool of worker threads,
+ * under a deadline. A tenant's pattern is JavaScript regex syntax (what opencode's grep tool
+ * documents), and V8's default engine backtracks: `^(a+)+$` on a 31-character line takes
+ * seconds, and each added character doubles it.
+ *
+ * Two layers:
+ * - Linear time where V8 can: the workers turn on
+ *   `--enable-experimental-regexp-engine-on-excessive-backtracks` (v8.setFlagsFromString
+ *   works at runtime on the guest's Node 18 and the host's Node 20; the flag is process
+ *   wide and changes no results, only which engine finishes a pathological match). A
+ *   pattern runs on the fast backtracking engine and, past 50,000 backtracks, is re-run on
+ *   V8's linear (NFA) engine. The linear engine alone (the `l` flag) was measured 40-60x
+ *   slower on ordinary patterns, so it is only the fallback.
+ * - A deadline for the rest: what the linear engine cannot run (case-insensitive `i`,
+ *   backreferences, lookaround, large counted repetitions) stays on the backtracking
+ *   engine. Such a search runs in the worker until the call's deadline, then the worker is
+ *   terminated and the call fails with a typed `timeout`. The event loop never runs a
+ *   tenant's regex, so other calls are answered meanwhile either way.
+ */
+
+export interface SearchLimits {
+  /** Matches kept per file (the count goes on). */
+  perFileLimit: number;
+  /** Longer lines are cut to this many characters, then `...`. */
+  maxLineChars: number;
+  /** Wall-clock budget for the whole search, queueing for a worker included. */
+  deadlineMs: number;
+}
+
+export interface FileMatches {
+  count: number;
+  matches: Array<{ line: number; text: string }>;
+}
+
+/** Bytes of file content sent to the worker per message. */
+const BATCH_BYTES = 4 * 1024 * 1024;
+const IDLE_MS = 30_000;
+
+const WORKER_SOURCE = `
+'use strict';
+const { parentPort } = require('node:worker_threads');
+require('node:v8').setFlagsFromString('--enable-experimental-regexp-engine-on-excessive-backtracks');
+let key = null;
+let re = null;
+parentPort.on('message', (m) => {
+  try {
+    const k = m.flags + '/' + m.pattern;
+    if (k !== key) { re = new RegExp(m.pattern, m.flags); key = k; }
+    const out = [];
+    for (const f of m.files) {
+      const text = Buffer.from(f.buffer, f.byteOffset, f.byteLength).toString('utf8');
+      const matches = [];
+      let count = 0;
+      let lineNo = 0;
+      let start = 0;
+      while (start < text.length) {
+        let end = text.indexOf('\\n', start);
+        if (end === -1) end = text.length;
+        const line = text.slice(start, end);
+        lineNo++;
+        if (re.test(line)) {
+          count++;
+          if (matches.length < m.perFileLimit) matches.push({ line: lineNo, text: line.length > m.maxLineChars ? line.slice(0, m.maxLineChars) + '...' : line });
+        }
+        start = end + 1;
+      }
+      out.push({ count, matches });
+    }
+    parentPort.postMessage({ ok: out });
+  } catch (err) {
+    parentPort.postMessage({ error: String((err && err.message) || err) });
+  }
+});
+`;
+
+interface PooledWorker {
+  worker: Worker;
+  idleTimer?: NodeJS.Timeout | undefined;
+}
+
+/** Worker threads shared by every grep of this process; at most `max` at once, idle ones exit. */
+class WorkerPool {
+  private readonly idle: PooledWorker[] = [];
+  private readonly waiters: Array<(w: PooledWorker) => void> = [];
+  private live = 0;
+
+  constructor(private readonly max: number) {}
+
+  acquire(): Promise<PooledWorker> {
+    const w = this.idle.pop();
+    if (w) {
+      clearTimeout(w.idleTimer);
+      w.worker.ref();
+      return Promise.resolve(w);
+    }
+    if (this.live < this.max) {
+      this.live++;
+      const worker = new Worker(WORKER_SOURCE, { eval: true });
+      return Promise.resolve({ worker });
+    }
+    return new Promise((resolve) => this.waiters.push(resolve));
+  }
+
+  /** Hands a healthy worker back (to a waiter, or idle until it times out). */
+  release(w: PooledWorker): void {
+    const next = this.waiters.shift();
+    if (next) return next(w);
+    w.worker.unref();
+    w.idleTimer = setTimeout(() => {
+      const i = this.idle.indexOf(w);
+      if (i >= 0) this.idle.splice(i, 1);
+      this.discard(w);
+    }, IDLE_MS);
+    w.idleTimer.unref();
+    this.idle.push(w);
+  }
+
+  /** Kills a worker (stuck past its deadline, or broken) and makes room for a fresh one. */
+  discard(w: PooledWorker): void {
+    void w.worker.terminate();
+    this.live--;
+    const next = this.waiters.shift();
+    if (next) {
+      this.live++;
+      next({ worker: new Worker(WORKER_SOURCE, { eval: true }) });
+    }
+  }
+}
+
+let pool: WorkerPool | undefined;
+function sharedPool(): WorkerPool {
+  pool ??= new WorkerPool(Math.max(2, Math.min(4, cpus().length)));
+  return pool;
+}
+
+/**
+ * One grep's search: feed it file contents in order with add(), then finish(). Results come
+ * back per file in the order added. Throws `timeout` once the deadline has passed.
+ */
+export class RegexSearch {
+  private readonly deadline: number;
+  private worker: PooledWorker | undefined;
+  private batch: Uint8Array[] = [];
+  private batchBytes = 0;
+  private readonly results: FileMatches[] = [];
+  private failed: HutchError | undefined;
+
+  constructor(
+    private readonly pattern: string,
+    private readonly flags: string,
+    private readonly limits: SearchLimits,
+  ) {
+    // Syntax errors surface here, on the loop: parsing is linear, matching is what is not.
+    try {
+      new RegExp(pattern, flags);
+    } catch (err) {
+      throw new HutchError('bad_request', `invalid regular expression: ${(err as Error).message}`, { pattern });
+    }
+    this.deadline = Date.now() + limits.deadlineMs;
+  }
+
+  async add(content: Uint8Array): Promise<void> {
+    this.checkDeadline();
+    this.batch.push(content);
+    this.batchBytes += content.length;
+    if (this.batchBytes >= BATCH_BYTES) await this.flush();
+  }
+
+  async finish(): Promise<FileMatches[]> {
+    try {
+      await this.flush();
+      return this.results;
+    } finally {
+      this.close();
+    }
+  }
+
+  /** Gives the worker back; call on every exit path (finish does). */
+  close(): void {
+    if (this.worker && !this.failed) sharedPool().release(this.worker);
+    this.worker = undefined;
+  }
+
+  private async flush(): Promise<void> {
+    if (this.batch.length === 0) return;
+    const files = this.batch;
+    this.batch = [];
+    this.batchBytes = 0;
+    const w = await this.acquire();
+    const answer = await this.run(w, files);
+    this.results.push(...answer);
+  }
+
+  private async acquire(): Promise<PooledWorker> {
+    if (this.worker) return this.worker;
+    const p = sharedPool();
+    const got = p.acquire();
+    // Gave up while queued: when the worker arrives, it goes straight back to the pool.
+    this.worker = await this.withDeadline(got, () => void got.then((late) => p.release(late)));
+    return this.worker;
+  }
+
+  private run(w: PooledWorker, files: Uint8Array[]): Promise<FileMatches[]> {
+    return this.withDeadline(
+      new Promise<FileMatches[]>((resolve, reject) => {
+        const onMessage = (m: { ok?: FileMatches[]; error?: string }) => {
+          cleanup();
+          if (m.ok) resolve(m.ok);
+          else reject(new HutchError('bad_request', `regular expression failed: ${m.error}`, { pattern: this.pattern }));
+        };
+        const onError = (err: Error) => {
+          cleanup();
+          this.fail(new HutchError('internal', `grep worker failed: ${err.message}`, { pattern: this.pattern }));
+          reject(this.failed);
+        };
+        const cleanup = () => {
+          w.worker.off('message', onMessage);
+          w.worker.off('error', onError);
+        };
+        w.worker.on('message', onMessage);
+        w.worker.on('error', onError);
+        w.worker.postMessage({ pattern: this.pattern, flags: this.flags, files, perFileLimit: this.limits.perFileLimit, maxLineChars: this.limits.maxLineChars });
+      }),
+      () => undefined,
+    );
+  }
+
+  /** Races `p` against the deadline; on expiry the worker in use is terminated and `timeout` thrown. */
+  private withDeadline<T>(p: Promise<T>, onExpire: () => void): Promise<T> {
+    const left = this.deadline - Date.now();
+    if (left <= 0) {
+      onExpire();
+      return Promise.reject(this.timeoutError());
+    }
+    return new Promise<T>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        onExpire();
+        reject(this.timeoutError());
+      }, left);
+      p.then(
+        (v) => {
+          clearTimeout(timer);
+          resolve(v);
+        },
+        (err) => {
+          clearTimeout(timer);
+          reject(err);
+        },
+      );
+    });
+  }
+
+  private timeoutError(): HutchError {
+    const err = new HutchError(
+      'timeout',
+      `grep did not finish within ${this.limits.deadlineMs} ms; the pattern may need exponential backtracking (case-insensitive patterns, backreferences and lookaround cannot use the linear-time engine)`,
+      { pattern: this.pattern, timeoutMs: this.limits.deadlineMs },
+    );
+    this.fail(err);
+    return err;
+  }
+
+  private fail(err: HutchError): void {
+    if (this.failed) return;
+    this.failed = err;
+    if (this.worker) sharedPool().discard(this.worker);
+    this.worker = undefined;
+  }
+
+  private checkDeadline(): void {
+    if (this.failed) throw this.failed;
+    if (Date.now() >= this.deadline) throw this.timeoutError();
+  }
+}
