@@ -12,7 +12,7 @@ describe('broker over a real WebSocket', () => {
   let b: TestBroker;
   let hutch: Hutch;
   beforeAll(async () => {
-    b = await startBroker({ maxFileBytes: 1024 * 1024 });
+    b = await startBroker({ maxFileBytes: 1024 * 1024, workspaceRoots: [tmpdir()] });
     hutch = await b.connect();
   });
   afterAll(async () => b.stop());
@@ -45,7 +45,9 @@ describe('broker over a real WebSocket', () => {
     const fromDir = await hutch.create({ workspace: { dir: src } });
     expect((await fromDir.files.read('link')).content).toBe('00001| X = 1');
     const kept = await fromDir.close({ keepWorkspace: true });
-    expect(kept.workspace && existsSync(join(kept.workspace, 'pkg', 'mod.py'))).toBe(true);
+    // Kept under the data dir by session id; the answer names no host path.
+    expect(kept).toEqual({ session: fromDir.id, kept: true });
+    expect(existsSync(join(b.dataDir, 'sessions', fromDir.id, 'workspace', 'pkg', 'mod.py'))).toBe(true);
 
     const tar = execFileSync('tar', ['-c', '-C', src, '.']);
     const fromTar = await hutch.create({ workspace: { tar } });

@@ -1,12 +1,15 @@
-import { mkdirSync } from 'node:fs';
+import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { readFileSync } from 'node:fs';
 import type { z } from 'zod';
 import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
-import { OPS, type OpName, type TelemetryEvent, type TelemetryParams } from './api/harness-protocol.ts';
-import { WsServer, type OpContext } from './api/ws-server.ts';
+import { HARNESS_API_VERSION, OPS, type OpName, type SessionTelemetry, type TelemetryEvent, type TelemetryParams } from './api/harness-protocol.ts';
+import { Principals } from './api/principals.ts';
+import { WsServer, type OpContext, type WsLimits } from './api/ws-server.ts';
 import type { VmBackend } from './backends/backend.ts';
 import { initRouter } from './router/index.ts';
-import { SessionManager } from './sessions/session-manager.ts';
+import { privateDir, SessionManager } from './sessions/session-manager.ts';
 import type { FastPathRunner } from './tools/fastpath-runner.ts';
 import { Admission, type AdmissionOptions } from './admission.ts';
 import { BrokerMetrics } from './metrics.ts';
@@ -16,8 +19,19 @@ import { DEFAULT_POLICY, type SandboxPolicy } from './policy/sandbox-policy.ts';
 export interface BrokerOptions {
   port: number;
   host?: string;
-  token: string;
+  /** The simple case: one bearer token, the principal `default`. */
+  token?: string;
+  /** Named principals (name -> token); with `token`, both apply. */
+  tokens?: Record<string, string>;
   dataDir: string;
+  /** Host directories sessions may be created from (`workspace: { dir }`); none = refused. */
+  workspaceRoots?: readonly string[];
+  /** Connection limits (frame size, handshake timeout, connection caps, back-pressure). */
+  limits?: Partial<WsLimits>;
+  /** Also serve /metrics without a token on this separate address (e.g. a scrape-only interface). */
+  metricsListen?: { host: string; port: number };
+  /** The published level the policy came from, reported in the hello frame. */
+  policyLevel?: string;
   backend: VmBackend;
   fastPath: FastPathRunner;
   log: Logger;
@@ -29,6 +43,9 @@ export interface BrokerOptions {
   policy?: Partial<SandboxPolicy>;
   admission?: Partial<AdmissionOptions>;
 }
+
+/** The broker's version (package.json), told to clients in the hello frame. */
+const BROKER_VERSION = (JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string }).version;
 
 /** A sample's deadline: generous, since an emulated (TCG) guest under load answers slowly. */
 const TELEMETRY_TIMEOUT_MS = 5000;
@@ -88,10 +105,16 @@ export class Broker {
   readonly admission: Admission;
   readonly policy: SandboxPolicy;
   private server: WsServer | undefined;
+  private metricsServer: Server | undefined;
+  private readonly principals: Principals;
+  /** The last guest sample per session, from subscriptions: what /metrics reports without asking any guest. */
+  private readonly lastSamples = new Map<string, SessionTelemetry>();
   port = 0;
+  metricsPort = 0;
 
   constructor(private readonly opts: BrokerOptions) {
-    mkdirSync(opts.dataDir, { recursive: true });
+    this.principals = new Principals({ ...(opts.token !== undefined ? { default: opts.token } : {}), ...opts.tokens });
+    privateDir(opts.dataDir);
     this.policy = { ...DEFAULT_POLICY, ...opts.policy, ...(opts.idleMs !== undefined ? { idleMs: opts.idleMs } : {}) };
     this.admission = new Admission({ ...defaultAdmission(), ...opts.admission });
     this.sessions = new SessionManager(
@@ -106,6 +129,7 @@ export class Broker {
         ...(opts.maxFileBytes ? { maxFileBytes: opts.maxFileBytes } : {}),
       },
       opts.log,
+      { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}) },
     );
   }
 
@@ -115,36 +139,75 @@ export class Broker {
     this.server = new WsServer({
       port: this.opts.port,
       ...(this.opts.host ? { host: this.opts.host } : {}),
-      token: this.opts.token,
+      principals: this.principals,
       log: this.opts.log,
-      hello: { backend: this.opts.backend.name, ...(this.opts.backend.accel ? { accel: this.opts.backend.accel } : {}) },
+      ...(this.opts.limits ? { limits: this.opts.limits } : {}),
+      hello: {
+        backend: this.opts.backend.name,
+        ...(this.opts.backend.accel ? { accel: this.opts.backend.accel } : {}),
+        isolation: this.opts.backend.isolation,
+        policy: { ...(this.opts.policyLevel ? { level: this.opts.policyLevel } : {}), idleMs: this.policy.idleMs, routing: this.policy.routing, idlePolicy: this.policy.idlePolicy },
+        limits: { ...(this.opts.maxFileBytes ? { maxFileBytes: this.opts.maxFileBytes } : {}) },
+        versions: { api: HARNESS_API_VERSION, broker: BROKER_VERSION, node: process.versions.node },
+      },
       handle: (op, p, ctx) => this.handle(op, p, ctx),
-      http: (req, res) => {
+      http: (req, res, principal) => {
         if (req.url === '/healthz') {
-          res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: true, sessions: this.sessions.list().length }));
+          // Liveness only: how many sessions exist is not for anonymous callers.
+          res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: true }));
           return true;
         }
-        if (req.url === '/metrics') {
-          this.metrics.sessions.set(this.sessions.list().length);
-          this.metrics.admissionWaiting.set({ kind: 'wake' }, this.admission.wakes.waiting);
-          this.metrics.admissionWaiting.set({ kind: 'vm_call' }, this.admission.vmCalls.waiting);
-          return this.telemetry()
-            .then((t) => this.metrics.setGuestGauges(t.sessions))
-            .then(() => this.metrics.text())
-            .then((text) => {
-            res.writeHead(200, { 'content-type': this.metrics.contentType }).end(text);
+        if (req.url === '/metrics' || req.url?.startsWith('/metrics?')) {
+          if (principal === undefined) {
+            res.writeHead(401, { 'content-type': 'text/plain', 'www-authenticate': 'Bearer' }).end('unauthorized: /metrics needs a bearer token (or --metrics-port)\n');
             return true;
-          });
+          }
+          return this.serveMetrics(res);
         }
         return false;
       },
     });
     this.port = await this.server.listen();
-    this.opts.log.info('broker.listening', { port: this.port, backend: this.opts.backend.name, isolation: this.opts.backend.isolation, policy: this.policy, adoptedSessions: adopted });
+    if (this.opts.metricsListen) {
+      const m = this.opts.metricsListen;
+      this.metricsServer = createServer((req: IncomingMessage, res: ServerResponse) => {
+        if (req.url === '/metrics') void this.serveMetrics(res);
+        else res.writeHead(404, { 'content-type': 'text/plain' }).end('only /metrics here\n');
+      });
+      await new Promise<void>((resolve, reject) => {
+        this.metricsServer?.once('error', reject);
+        this.metricsServer?.listen(m.port, m.host, () => resolve());
+      });
+      this.metricsPort = (this.metricsServer.address() as AddressInfo).port;
+    }
+    this.opts.log.info('broker.listening', { port: this.port, ...(this.metricsServer ? { metricsPort: this.metricsPort } : {}), backend: this.opts.backend.name, isolation: this.opts.backend.isolation, policy: this.policy, principals: this.principals.names, adoptedSessions: adopted });
     return this.port;
   }
 
+  /**
+   * Prometheus text from what the broker already knows: no guest is asked anything per
+   * scrape (a scrape loop must not wake, fault in or slow down tenants' VMs). Guest gauges
+   * come from the last sample a telemetry subscription took.
+   */
+  private async serveMetrics(res: ServerResponse): Promise<boolean> {
+    const all = this.sessions.all();
+    this.metrics.sessions.set(all.length);
+    this.metrics.admissionWaiting.set({ kind: 'wake' }, this.admission.wakes.waiting);
+    this.metrics.admissionWaiting.set({ kind: 'vm_call' }, this.admission.vmCalls.waiting);
+    this.metrics.setGuestGauges(
+      all.map((s) => {
+        const last = this.lastSamples.get(s.id);
+        if (!s.vm.live) return { vm: 'none' as const };
+        return { vm: last?.vm === 'reclaimed' ? ('reclaimed' as const) : ('live' as const), sample: last?.sample };
+      }),
+    );
+    const text = await this.metrics.text();
+    res.writeHead(200, { 'content-type': this.metrics.contentType }).end(text);
+    return true;
+  }
+
   async stop(): Promise<void> {
+    await new Promise<void>((r) => (this.metricsServer ? this.metricsServer.close(() => r()) : r()));
     await this.server?.close();
     await this.sessions.shutdown();
     await this.opts.backend.shutdown();
@@ -152,23 +215,27 @@ export class Broker {
     this.opts.log.info('broker.stopped');
   }
 
-  /** Samples every live, awake VM (or one session's), each bounded by a timeout. */
-  async telemetry(session?: string): Promise<TelemetryEvent> {
-    const targets = session ? [this.sessions.get(session)] : this.sessions.all();
+  /**
+   * Samples every live, awake VM (or one session's), each bounded by a timeout; with a
+   * principal, only that principal's sessions.
+   */
+  async telemetry(session?: string, principal?: string): Promise<TelemetryEvent> {
+    const targets = session ? [this.sessions.get(session, principal)] : this.sessions.all(principal);
     const sessions = await Promise.all(
       targets.map((s) => withTimeout(s.telemetry(), TELEMETRY_TIMEOUT_MS, { session: s.id, vm: 'live' as const, error: `no sample within ${TELEMETRY_TIMEOUT_MS} ms` })),
     );
+    for (const t of sessions) if (t.sample || t.vm !== 'live') this.lastSamples.set(t.session, t);
     return { atMs: Date.now(), sessions };
   }
 
   /** A live subscription: one event per interval until the client cancels it or `count` is reached. */
   private async subscribe(p: z.infer<typeof TelemetryParams>, ctx: OpContext): Promise<{ samples: number; cancelled: boolean }> {
-    if (p.session) this.sessions.get(p.session); // unknown session: not_found now, not later
+    if (p.session) this.sessions.get(p.session, ctx.principal); // unknown session: not_found now, not later
     const interval = p.intervalMs ?? 1000;
     let samples = 0;
     while (!ctx.signal.aborted && (p.count === undefined || samples < p.count)) {
       const started = Date.now();
-      ctx.event(await this.telemetry(p.session));
+      ctx.event(await this.telemetry(p.session, ctx.principal));
       samples++;
       if (p.count !== undefined && samples >= p.count) break;
       await sleepUnlessAborted(Math.max(0, interval - (Date.now() - started)), ctx.signal);
@@ -176,31 +243,35 @@ export class Broker {
     return { samples, cancelled: ctx.signal.aborted };
   }
 
+  /** Every op acts as the connection's principal: sessions of other principals do not exist for it. */
   private async handle(op: OpName, raw: unknown, ctx: OpContext): Promise<unknown> {
+    const who = ctx.principal;
     switch (op) {
       case 'create': {
-        const s = await this.sessions.create(params('create', raw));
+        const s = await this.sessions.create(params('create', raw), who);
         return s.info();
       }
       case 'attach':
-        return this.sessions.get(params('attach', raw).session).info();
+        return this.sessions.get(params('attach', raw).session, who).info();
       case 'close': {
         const p = params('close', raw);
-        return this.sessions.close(p.session, p.keepWorkspace ?? false);
+        const r = await this.sessions.close(p.session, p.keepWorkspace ?? false, who);
+        this.lastSamples.delete(p.session);
+        return r;
       }
       case 'sessions':
-        return { sessions: this.sessions.list() };
+        return { sessions: this.sessions.list(who) };
       case 'call': {
         const p = params('call', raw);
         const stream = p.stream ?? false;
-        return this.sessions.get(p.session).call(p.tool, p.args, {
+        return this.sessions.get(p.session, who).call(p.tool, p.args, {
           signal: ctx.signal,
           ...(stream ? { onStdout: (c: Uint8Array) => ctx.out(1, c), onStderr: (c: Uint8Array) => ctx.out(2, c) } : {}),
         });
       }
       case 'hint': {
         const p = params('hint', raw);
-        this.sessions.get(p.session).hint(p.hint);
+        this.sessions.get(p.session, who).hint(p.hint);
         return { accepted: true };
       }
       case 'telemetry':

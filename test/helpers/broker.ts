@@ -8,6 +8,7 @@ import { createBackend } from '../../host-broker/src/backends/registry.ts';
 import { createFastPath } from '../../host-broker/src/tools/fastpath-factory.ts';
 import { Hutch } from '../../host-broker/src/sdk/index.ts';
 import type { SandboxPolicy } from '../../host-broker/src/policy/sandbox-policy.ts';
+import type { WsLimits } from '../../host-broker/src/api/ws-server.ts';
 
 export interface TestBroker {
   broker: Broker;
@@ -19,12 +20,39 @@ export interface TestBroker {
 }
 
 /** A real broker on a free port with a fresh data dir (or a given one, to test restarts). */
-export async function startBroker(o: { backend?: string; dataDir?: string; maxFileBytes?: number; idleMs?: number; policy?: Partial<SandboxPolicy> } = {}): Promise<TestBroker> {
+export async function startBroker(
+  o: {
+    /** Default unsafe-local (acknowledged here: tests run it on purpose). */
+    backend?: string;
+    dataDir?: string;
+    maxFileBytes?: number;
+    idleMs?: number;
+    policy?: Partial<SandboxPolicy>;
+    /** More principals beside the default token's. */
+    tokens?: Record<string, string>;
+    workspaceRoots?: string[];
+    limits?: Partial<WsLimits>;
+  } = {},
+): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
   const token = randomBytes(12).toString('hex');
   const log = createLogger({ name: 'hutch-broker', level: 'warn' });
-  const backend = await createBackend(o.backend ?? 'local', { log, dataDir });
-  const broker = new Broker({ port: 0, token, dataDir, backend, fastPath: await createFastPath(log), log, ...(o.maxFileBytes ? { maxFileBytes: o.maxFileBytes } : {}), ...(o.idleMs ? { idleMs: o.idleMs } : {}), ...(o.policy ? { policy: o.policy } : {}) });
+  const fastPath = await createFastPath(log);
+  const backend = await createBackend(o.backend ?? 'unsafe-local', { log, dataDir, fastPath, acknowledgeUnsafeLocal: true });
+  const broker = new Broker({
+    port: 0,
+    token,
+    dataDir,
+    backend,
+    fastPath,
+    log,
+    ...(o.maxFileBytes ? { maxFileBytes: o.maxFileBytes } : {}),
+    ...(o.idleMs ? { idleMs: o.idleMs } : {}),
+    ...(o.policy ? { policy: o.policy } : {}),
+    ...(o.tokens ? { tokens: o.tokens } : {}),
+    ...(o.workspaceRoots ? { workspaceRoots: o.workspaceRoots } : {}),
+    ...(o.limits ? { limits: o.limits } : {}),
+  });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;
   const clients: Hutch[] = [];

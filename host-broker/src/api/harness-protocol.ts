@@ -52,6 +52,9 @@ export const CreateParams = z.object({
 });
 export const AttachParams = z.object({ session: sessionId });
 export const CloseParams = z.object({ session: sessionId, keepWorkspace: z.boolean().optional() });
+/** What close answers: never a host path; a kept workspace stays under the broker's data dir by session id. */
+export const CloseResultSchema = z.object({ session: z.string(), kept: z.boolean() });
+export type CloseResult = z.infer<typeof CloseResultSchema>;
 export const CallParams = z.object({
   session: sessionId,
   tool: ToolNameSchema,
@@ -142,7 +145,20 @@ export const CallResultSchema = z.object({
 export type CallResult = z.infer<typeof CallResultSchema>;
 
 export const ServerMessageSchema = z.union([
-  z.object({ t: z.literal('hello'), v: z.number(), broker: z.string(), backend: z.string(), accel: z.string().optional() }),
+  z.object({
+    t: z.literal('hello'),
+    v: z.number(),
+    broker: z.string(),
+    backend: z.string(),
+    accel: z.string().optional(),
+    /** The principal this connection's token names. */
+    principal: z.string().optional(),
+    /** The broker's policy: published level and idle window (null: never released). */
+    policy: z.object({ level: z.string().optional(), idleMs: z.number().nullable() }).passthrough().optional(),
+    /** Connection and call limits in force (bytes, counts, milliseconds). */
+    limits: z.record(z.string(), z.number()).optional(),
+    versions: z.object({ api: z.number(), broker: z.string(), node: z.string() }).optional(),
+  }),
   z.object({ t: z.literal('res'), id: z.number(), r: z.unknown().optional(), e: WireErrorSchema.optional() }),
   z.object({ t: z.literal('out'), call: z.number(), fd: z.union([z.literal(1), z.literal(2)]), d: bytesOrText }),
   z.object({ t: z.literal('evt'), call: z.number(), d: z.unknown() }),

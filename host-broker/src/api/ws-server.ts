@@ -1,17 +1,19 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
-import { timingSafeEqual } from 'node:crypto';
-import type { AddressInfo } from 'node:net';
+import type { AddressInfo, Socket } from 'node:net';
 import { Packr } from 'msgpackr';
 import { WebSocketServer, type WebSocket, type RawData } from 'ws';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { ClientMessageSchema, HARNESS_API_VERSION, OPS, type OpName } from './harness-protocol.ts';
+import type { Principals } from './principals.ts';
 
 const packr = new Packr({ useRecords: false });
 
 export interface OpContext {
   /** Request id, which also names a call for `signal`. */
   id: number;
+  /** Who is asking: the principal whose token opened this connection. */
+  principal: string;
   /** Aborted when the client disconnects or signals the call. */
   signal: AbortSignal;
   /** Sends streamed output of this call to the client, with backpressure. */
@@ -22,45 +24,121 @@ export interface OpContext {
 
 export type OpHandler = (op: OpName, params: unknown, ctx: OpContext) => Promise<unknown>;
 
+/** Connection-level limits: what one client (or a flood of them) can hold of the broker. */
+export interface WsLimits {
+  /** Largest WebSocket message; a bigger one closes the connection (1009). */
+  maxPayloadBytes: number;
+  /** A connection must finish its HTTP request or upgrade within this, or it is dropped. */
+  handshakeTimeoutMs: number;
+  /** Connections not yet upgraded to an authenticated WebSocket; past this the oldest is dropped. */
+  maxUnauthenticated: number;
+  /** Open WebSockets per principal; more are refused with HTTP 429. */
+  maxConnectionsPerPrincipal: number;
+  /** Unfinished requests per connection before the broker stops reading that socket. */
+  maxInflightPerConnection: number;
+}
+
+export const DEFAULT_WS_LIMITS: WsLimits = {
+  maxPayloadBytes: 64 * 1024 * 1024,
+  handshakeTimeoutMs: 10_000,
+  maxUnauthenticated: 256,
+  maxConnectionsPerPrincipal: 32,
+  maxInflightPerConnection: 64,
+};
+
 export interface WsServerOptions {
   port: number;
   host?: string;
-  token: string;
+  principals: Principals;
   handle: OpHandler;
   log: Logger;
-  hello: { backend: string; accel?: string };
-  /** Plain-HTTP routes served beside the WebSocket (e.g. /metrics, /healthz). */
-  http?: (req: IncomingMessage, res: ServerResponse) => boolean | Promise<boolean>;
-  maxPayloadBytes?: number;
+  /** Sent in every hello frame, beside the API version and the connection's principal. */
+  hello: { backend: string; accel?: string; [k: string]: unknown };
+  /** Plain-HTTP routes served beside the WebSocket (e.g. /metrics, /healthz); `principal` when the request carried a valid token. */
+  http?: (req: IncomingMessage, res: ServerResponse, principal: string | undefined) => boolean | Promise<boolean>;
+  limits?: Partial<WsLimits>;
 }
 
 /** Bytes queued on a socket before streamed output waits for the client. */
 const OUT_HIGH_WATER = 4 * 1024 * 1024;
 
 /**
- * The broker's WebSocket endpoint: token auth on upgrade, JSON text frames or msgpack
- * binary frames (answered in kind), zod validation of every request, typed errors.
+ * The broker's WebSocket endpoint: token auth on upgrade (each token names a principal),
+ * JSON text frames or msgpack binary frames (answered in kind), zod validation of every
+ * request, typed errors.
+ *
+ * Connection-level limits keep one client from starving the rest: sockets that have not
+ * completed an authenticated upgrade are few (the oldest is dropped past the cap) and
+ * short-lived (handshake timeout), each principal holds a bounded number of connections,
+ * and a connection with many unfinished requests is not read until some finish, so its
+ * frames queue in its own TCP window instead of the broker's memory.
  */
 export class WsServer {
   private readonly http: Server;
   private readonly wss: WebSocketServer;
-  private readonly token: Buffer;
+  readonly limits: WsLimits;
+  /** Sockets without an authenticated WebSocket yet, oldest first, with their deadline timers. */
+  private readonly pending = new Map<Socket, NodeJS.Timeout>();
+  private readonly perPrincipal = new Map<string, number>();
+  private readonly principalOf = new WeakMap<IncomingMessage, string>();
 
   constructor(private readonly opts: WsServerOptions) {
-    this.token = Buffer.from(opts.token);
+    this.limits = { ...DEFAULT_WS_LIMITS, ...opts.limits };
     this.http = createServer((req, res) => void this.onHttp(req, res));
+    // Node's own request timers as a second line (its checker runs on an interval).
+    this.http.headersTimeout = this.limits.handshakeTimeoutMs;
+    this.http.requestTimeout = this.limits.handshakeTimeoutMs;
+    this.http.on('connection', (socket: Socket) => this.onSocket(socket));
     this.wss = new WebSocketServer({
       server: this.http,
-      maxPayload: opts.maxPayloadBytes ?? 256 * 1024 * 1024,
+      maxPayload: this.limits.maxPayloadBytes,
       verifyClient: (info, cb) => {
-        if (this.authorized(info.req)) cb(true);
-        else {
+        const principal = opts.principals.authenticate(bearer(info.req));
+        if (principal === undefined) {
           opts.log.warn('ws.unauthorized', { remote: info.req.socket.remoteAddress });
           cb(false, 401, 'Unauthorized: missing or wrong token');
+          return;
         }
+        if ((this.perPrincipal.get(principal) ?? 0) >= this.limits.maxConnectionsPerPrincipal) {
+          opts.log.warn('ws.too_many_connections', { principal, limit: this.limits.maxConnectionsPerPrincipal });
+          cb(false, 429, `Too many connections: principal ${principal} already holds ${this.limits.maxConnectionsPerPrincipal}`);
+          return;
+        }
+        this.principalOf.set(info.req, principal);
+        cb(true);
       },
     });
     this.wss.on('connection', (ws, req) => this.onConnection(ws, req));
+  }
+
+  /** Sockets not (yet) an authenticated WebSocket, for tests and metrics. */
+  get unauthenticated(): number {
+    return this.pending.size;
+  }
+
+  private onSocket(socket: Socket): void {
+    if (this.pending.size >= this.limits.maxUnauthenticated) {
+      // Drop the oldest: a flood of idle sockets then cannot lock out a client that
+      // completes its handshake promptly, and the broker's descriptors stay bounded.
+      const [oldest] = this.pending.keys();
+      if (oldest) this.forget(oldest)?.destroy();
+    }
+    const timer = setTimeout(() => {
+      this.pending.delete(socket);
+      socket.destroy();
+    }, this.limits.handshakeTimeoutMs);
+    timer.unref();
+    this.pending.set(socket, timer);
+    socket.once('close', () => this.forget(socket));
+  }
+
+  /** Stops tracking a socket as unauthenticated; returns it if it was. */
+  private forget(socket: Socket): Socket | undefined {
+    const t = this.pending.get(socket);
+    if (t === undefined) return undefined;
+    clearTimeout(t);
+    this.pending.delete(socket);
+    return socket;
   }
 
   async listen(): Promise<number> {
@@ -73,26 +151,15 @@ export class WsServer {
 
   async close(): Promise<void> {
     for (const c of this.wss.clients) c.terminate();
+    for (const s of [...this.pending.keys()]) this.forget(s)?.destroy();
     await new Promise<void>((r) => this.wss.close(() => r()));
+    this.http.closeAllConnections();
     await new Promise<void>((r) => this.http.close(() => r()));
-  }
-
-  private authorized(req: IncomingMessage): boolean {
-    const header = req.headers['authorization'];
-    let given: string | undefined;
-    if (typeof header === 'string' && header.startsWith('Bearer ')) given = header.slice(7);
-    else {
-      const url = new URL(req.url ?? '/', 'http://x');
-      given = url.searchParams.get('token') ?? undefined;
-    }
-    if (given === undefined) return false;
-    const g = Buffer.from(given);
-    return g.length === this.token.length && timingSafeEqual(g, this.token);
   }
 
   private async onHttp(req: IncomingMessage, res: ServerResponse): Promise<void> {
     try {
-      if (this.opts.http && (await this.opts.http(req, res))) return;
+      if (this.opts.http && (await this.opts.http(req, res, this.opts.principals.authenticate(bearer(req))))) return;
       res.writeHead(404, { 'content-type': 'text/plain' }).end('not found: connect a WebSocket to this address\n');
     } catch (err) {
       res.writeHead(500, { 'content-type': 'text/plain' }).end(`internal error: ${(err as Error).message}\n`);
@@ -100,14 +167,18 @@ export class WsServer {
   }
 
   private onConnection(ws: WebSocket, req: IncomingMessage): void {
-    const log = this.opts.log.child({ remote: `${req.socket.remoteAddress}:${req.socket.remotePort}` });
+    const principal = this.principalOf.get(req) as string;
+    this.forget(req.socket);
+    this.perPrincipal.set(principal, (this.perPrincipal.get(principal) ?? 0) + 1);
+    const log = this.opts.log.child({ remote: `${req.socket.remoteAddress}:${req.socket.remotePort}`, principal });
     const inflight = new Map<number, AbortController>();
+    const maxInflight = this.limits.maxInflightPerConnection;
     log.info('ws.connected');
     const send = (value: unknown, binary: boolean) => {
       if (ws.readyState !== ws.OPEN) return;
       ws.send(binary ? packr.pack(value) : JSON.stringify(value, jsonBytes));
     };
-    send({ t: 'hello', v: HARNESS_API_VERSION, broker: 'hutch', ...this.opts.hello }, false);
+    send({ t: 'hello', v: HARNESS_API_VERSION, broker: 'hutch', principal, ...this.opts.hello, limits: { ...(this.opts.hello['limits'] as object | undefined), ...this.limits } }, false);
 
     ws.on('message', (data: RawData, isBinary: boolean) => {
       let msg: unknown;
@@ -125,7 +196,8 @@ export class WsServer {
         return;
       }
       const { id, op, p } = parsed.data;
-      if (!(op in OPS)) {
+      // Own properties only: `toString`, `constructor` and `__proto__` are `in` every object.
+      if (!Object.hasOwn(OPS, op)) {
         send({ t: 'res', id, e: new HutchError('not_found', `unknown op ${op}`, { op }).toWire() }, isBinary);
         return;
       }
@@ -135,8 +207,15 @@ export class WsServer {
       }
       const ac = new AbortController();
       inflight.set(id, ac);
+      // Back-pressure: stop reading this socket while it has many unfinished requests (its
+      // sender then waits on TCP), so its traffic queues there, not in the broker.
+      if (inflight.size >= maxInflight && !ws.isPaused) {
+        log.debug('ws.paused', { inflight: inflight.size });
+        ws.pause();
+      }
       const ctx: OpContext = {
         id,
+        principal,
         signal: ac.signal,
         out: async (fd, chunk) => {
           if (ws.readyState !== ws.OPEN) return;
@@ -155,9 +234,15 @@ export class WsServer {
           if (e.code === 'internal') log.error('op.failed', { op, error: e.message, stack: (err as Error).stack });
           send({ t: 'res', id, e: e.toWire() }, isBinary);
         },
-      ).finally(() => inflight.delete(id));
+      ).finally(() => {
+        inflight.delete(id);
+        if (ws.isPaused && inflight.size <= maxInflight / 2) ws.resume();
+      });
     });
     ws.on('close', () => {
+      const left = (this.perPrincipal.get(principal) ?? 1) - 1;
+      if (left > 0) this.perPrincipal.set(principal, left);
+      else this.perPrincipal.delete(principal);
       log.info('ws.closed', { inflight: inflight.size });
       for (const ac of inflight.values()) ac.abort(new HutchError('cancelled', 'client disconnected'));
     });
@@ -173,6 +258,13 @@ export class WsServer {
     ac.abort(new HutchError('cancelled', `call cancelled by ${parsed.data.signal}`));
     return { delivered: true };
   }
+}
+
+/** The bearer token of a request: the Authorization header, else a `token` query parameter (browsers cannot set headers on WebSockets). */
+function bearer(req: IncomingMessage): string | undefined {
+  const header = req.headers['authorization'];
+  if (typeof header === 'string' && header.startsWith('Bearer ')) return header.slice(7);
+  return new URL(req.url ?? '/', 'http://x').searchParams.get('token') ?? undefined;
 }
 
 /** JSON cannot carry bytes: text frames get them as UTF-8 strings. */

@@ -1,77 +1,45 @@
-import { existsSync, mkdirSync, readdirSync, rmSync } from 'node:fs';
+import { readdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
-import { buildAgent } from '../../../guest-agent/build.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { AgentClient } from '../agent-client.ts';
-import { startDaemon, type Daemon } from '../util/daemon.ts';
-import { waitForSocket } from '../util/wait-for-socket.ts';
+import type { AgentClient } from '../agent-client.ts';
+import type { FastPath } from '../fastpath/index.ts';
+import { privateDir } from '../sessions/session-manager.ts';
 import type { GuestState, Sandbox, SandboxExecRequest, SandboxSpec, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
 
 /**
- * The `local` backend: the real guest agent as a host process, inside bubblewrap with
- * /usr read-only, the session's workspace bound at /work and its own home, in private
- * pid/net/ipc/uts namespaces. It exists so everything runs end to end without a VM
- * (development, CI machines without QEMU).
+ * The `unsafe-local` backend: VM-routed calls run on the host kernel, each in the fast
+ * path's sandbox (see fastpath/bwrap-argv.ts): a user namespace with an unprivileged uid
+ * and no capabilities, the seccomp allowlist, fresh pid/net/ipc/uts/cgroup namespaces and
+ * a private /proc (the broker's processes and environment are invisible), /proc/sys and
+ * friends read-only, the call's own cgroup with its process and memory limits, and every
+ * process gone when the call ends (the pid namespace dies with its init; the cgroup is
+ * killed), including ones started with `setsid`. The session's home (/home/tenant) is a
+ * host directory that persists between calls, as a VM's would while it lives.
  *
- * NOT isolation-equivalent to a microVM: tenant code shares the host kernel, runs as root
- * in the sandbox without seccomp, and sees parts of the host's /etc. Use `qemu` for
- * untrusted tenants.
+ * Still NOT isolation-equivalent to a microVM: tenants share the host kernel (one kernel
+ * bug away from the host), there is no network, and nothing runs between calls. It exists
+ * for development and CI hosts without QEMU, and is never chosen implicitly.
  */
-const HOST_ETC_FILES = ['passwd', 'group', 'nsswitch.conf', 'ld.so.cache', 'localtime', 'alternatives', 'gitconfig', 'mime.types'];
-
-export class LocalBackend implements VmBackend {
-  readonly name = 'local';
-  readonly isolation = 'bubblewrap namespaces around a host process (NOT equivalent to a VM: shared kernel, no seccomp)';
+export class UnsafeLocalBackend implements VmBackend {
+  readonly name = 'unsafe-local';
+  readonly isolation = 'host kernel: bubblewrap user namespace + seccomp + cgroup per call (NOT a VM boundary)';
   readonly canSuspend = false;
-  private readonly sandboxes = new Set<LocalSandbox>();
-  private bundle: Promise<string> | undefined;
+  private readonly sandboxes = new Set<UnsafeLocalSandbox>();
 
-  constructor(private readonly log: Logger) {}
+  constructor(
+    private readonly fastPath: FastPath,
+    private readonly log: Logger,
+  ) {}
 
   async start(spec: SandboxSpec): Promise<{ sandbox: Sandbox; wake: WakeInfo }> {
     const t0 = performance.now();
-    // Rebuilt once per broker so the agent always matches this checkout (esbuild: ~0.2 s).
-    this.bundle ??= buildAgent().then((b) => b.path);
-    const bundle = await this.bundle;
-    const runDir = join(spec.stateDir, 'run');
     const home = join(spec.stateDir, 'home');
-    rmSync(runDir, { recursive: true, force: true });
-    mkdirSync(runDir, { recursive: true });
-    mkdirSync(home, { recursive: true });
-    const argv = [
-      'bwrap',
-      '--die-with-parent',
-      '--unshare-pid', '--unshare-ipc', '--unshare-uts', '--unshare-net', '--unshare-cgroup-try',
-      '--cap-drop', 'ALL',
-      '--ro-bind', '/usr', '/usr',
-      '--symlink', 'usr/bin', '/bin', '--symlink', 'usr/sbin', '/sbin', '--symlink', 'usr/lib', '/lib', '--symlink', 'usr/lib64', '/lib64',
-      ...HOST_ETC_FILES.filter((f) => existsSync(`/etc/${f}`)).flatMap((f) => ['--ro-bind', `/etc/${f}`, `/etc/${f}`]),
-      '--proc', '/proc', '--dev', '/dev', '--tmpfs', '/tmp',
-      '--bind', spec.workspaceDir, '/work',
-      '--bind', home, '/home/tenant',
-      '--ro-bind', bundle, '/opt/hutch/hutch-agent.mjs',
-      '--bind', runDir, '/run/hutch',
-      '--chdir', '/work',
-      '--clearenv', '--setenv', 'PATH', '/usr/bin:/bin', '--setenv', 'HOME', '/home/tenant',
-      process.execPath.startsWith('/usr/') ? process.execPath : '/usr/bin/node',
-      '/opt/hutch/hutch-agent.mjs',
-      '--listen', 'unix:/run/hutch/agent.sock', '--root', '/work', '--home', '/home/tenant', '--kill-on-exit', '--log-level', 'warn',
-    ];
-    const log = this.log.child({ session: spec.session, backend: 'local' });
-    const daemon = startDaemon({ argv, log, interesting: /error|fatal/i });
-    const sock = join(runDir, 'agent.sock');
-    try {
-      await waitForSocket(sock, { proc: daemon.proc, timeoutMs: 20_000 });
-      const agent = await AgentClient.connectUnix(sock, { log });
-      const sandbox = new LocalSandbox(spec, agent, daemon, home, () => this.sandboxes.delete(sandbox));
-      this.sandboxes.add(sandbox);
-      return { sandbox, wake: { wakeMs: performance.now() - t0, woke: true, how: 'local-process' } };
-    } catch (err) {
-      await daemon.stop(500);
-      throw new HutchError('unavailable', `local agent did not start: ${(err as Error).message}; output: ${daemon.tail().join(' | ')}`, { session: spec.session });
-    }
+    privateDir(home);
+    const sandbox = new UnsafeLocalSandbox(spec, this.fastPath, home, this.log.child({ session: spec.session, backend: this.name }), () => this.sandboxes.delete(sandbox));
+    this.sandboxes.add(sandbox);
+    return { sandbox, wake: { wakeMs: performance.now() - t0, woke: true, how: 'local-sandbox' } };
   }
 
   async shutdown(): Promise<void> {
@@ -79,30 +47,70 @@ export class LocalBackend implements VmBackend {
   }
 }
 
-class LocalSandbox implements Sandbox {
+class UnsafeLocalSandbox implements Sandbox {
   readonly exited: Promise<Error | undefined>;
+  private closeNow: (e: Error | undefined) => void = () => undefined;
+  private readonly running = new Set<AbortController>();
 
   constructor(
     readonly spec: SandboxSpec,
-    readonly agent: AgentClient,
-    private readonly daemon: Daemon,
+    private readonly fastPath: FastPath,
     private readonly home: string,
+    private readonly log: Logger,
     private readonly onClose: () => void,
   ) {
-    this.exited = daemon.exited.then(({ code, signal }) => new Error(`local agent exited (${code ?? signal})`));
+    // Nothing runs between calls, so the sandbox never dies on its own.
+    this.exited = new Promise((r) => (this.closeNow = r));
+  }
+
+  /** No agent process: every call is a fresh sandbox. */
+  get agent(): AgentClient {
+    throw new HutchError('unavailable', 'the unsafe-local backend has no guest agent');
   }
 
   async exec(req: SandboxExecRequest): Promise<SyncedExecResult> {
-    const r = await this.synced((agent) => agent.exec(req).result);
-    return { ...r.value, pushedBytes: 0, pulledBytes: 0 };
+    const ac = new AbortController();
+    const onAbort = () => ac.abort(req.signal?.reason);
+    req.signal?.addEventListener('abort', onAbort, { once: true });
+    this.running.add(ac);
+    try {
+      const r = await this.fastPath.run({
+        command: req.command ?? shellJoin(req.argv ?? []),
+        workspace: this.spec.workspaceDir,
+        cwd: req.cwd,
+        env: req.env,
+        home: this.home,
+        stdin: req.stdin === undefined ? undefined : await collect(req.stdin),
+        timeoutMs: req.timeoutMs,
+        maxOutputBytes: req.maxOutputBytes,
+        onStdout: req.onStdout,
+        onStderr: req.onStderr,
+        signal: ac.signal,
+      });
+      if (r.limits.oomKilled || r.limits.processLimitHit) this.log.info('unsafe_local.limit_hit', { oomKilled: r.limits.oomKilled, processLimitHit: r.limits.processLimitHit });
+      return {
+        exitCode: r.exitCode,
+        signal: r.signal,
+        timedOut: r.timedOut,
+        cancelled: r.cancelled,
+        durationMs: r.durationMs,
+        stdout: r.stdout,
+        stderr: r.stderr,
+        pushedBytes: 0,
+        pulledBytes: 0,
+      };
+    } finally {
+      req.signal?.removeEventListener('abort', onAbort);
+      this.running.delete(ac);
+    }
   }
 
-  async synced<T>(fn: (agent: AgentClient) => Promise<T>): Promise<Synced<T>> {
-    // The workspace is bind-mounted: nothing to push or pull.
-    return { value: await fn(this.agent), pushedBytes: 0, pulledBytes: 0 };
+  async synced<T>(): Promise<Synced<T>> {
+    // File tools through an agent are the routing-off levels (1-3), which exist to compare VMs.
+    throw new HutchError('unavailable', 'the unsafe-local backend runs commands only; policies without routing (levels 1-3) need the qemu backend');
   }
 
-  /** Home lives on the host and survives the process: killing loses nothing. */
+  /** Home lives on the host and nothing runs between calls: releasing loses nothing. */
   async state(): Promise<GuestState> {
     return { dirty: false, dirtyPaths: [], processes: 0 };
   }
@@ -116,8 +124,21 @@ class LocalSandbox implements Sandbox {
   }
 
   async close(): Promise<void> {
-    this.agent.close();
-    await this.daemon.stop(1000);
+    for (const ac of this.running) ac.abort(new HutchError('cancelled', 'sandbox closed'));
+    this.closeNow(undefined);
     this.onClose();
   }
+}
+
+async function collect(input: Uint8Array | AsyncIterable<Uint8Array>): Promise<Uint8Array> {
+  if (input instanceof Uint8Array) return input;
+  const parts: Uint8Array[] = [];
+  for await (const p of input) parts.push(p);
+  return Buffer.concat(parts);
+}
+
+/** argv as one bash command line (the fast path runs `bash -c`). */
+function shellJoin(argv: string[]): string {
+  if (argv.length === 0) throw new HutchError('bad_request', 'exec needs a command or argv');
+  return argv.map((a) => `'${a.replace(/'/g, `'\\''`)}'`).join(' ');
 }

@@ -1,15 +1,33 @@
-import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { chmodSync, existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import type { z } from 'zod';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import type { CreateParams, SessionInfo } from '../api/harness-protocol.ts';
+import type { CloseResult, CreateParams, SessionInfo } from '../api/harness-protocol.ts';
+import { DEFAULT_PRINCIPAL } from '../api/principals.ts';
 import { Session, type SessionDeps, type SessionMeta } from './session.ts';
 import { populateWorkspace } from './workspace-source.ts';
 
 export const DEFAULT_CPUS = 1;
 export const DEFAULT_MEMORY_MIB = 512;
+
+/** session.json: the session's metadata plus the principal that owns it. */
+type StoredMeta = SessionMeta & { owner?: string };
+
+/**
+ * A directory only root can enter: workspaces hold tenants' files (and, until pulled back
+ * and checked, whatever a tenant made), so no other host user may reach into them.
+ */
+export function privateDir(path: string): void {
+  mkdirSync(path, { recursive: true, mode: 0o700 });
+  chmodSync(path, 0o700); // mkdir's mode is masked by the umask and skipped for existing dirs
+}
+
+export interface SessionManagerOptions {
+  /** Host directories `create({ workspace: { dir } })` may copy from; none = dir sources refused. */
+  workspaceRoots?: readonly string[];
+}
 
 /**
  * Owns the sessions: creates them with their workspace under the data dir, finds them
@@ -22,15 +40,19 @@ export const DEFAULT_MEMORY_MIB = 512;
  */
 export class SessionManager {
   private readonly sessions = new Map<string, Session>();
+  /** Session id -> owning principal. */
+  private readonly owners = new Map<string, string>();
   private readonly root: string;
 
   constructor(
     dataDir: string,
     private readonly deps: SessionDeps,
     private readonly log: Logger,
+    private readonly opts: SessionManagerOptions = {},
   ) {
+    privateDir(dataDir);
     this.root = join(dataDir, 'sessions');
-    mkdirSync(this.root, { recursive: true });
+    privateDir(this.root);
   }
 
   /** Re-adopts sessions left on disk by an earlier broker. */
@@ -39,7 +61,9 @@ export class SessionManager {
       const metaPath = join(this.root, id, 'session.json');
       if (!existsSync(metaPath)) continue;
       try {
-        const meta = JSON.parse(readFileSync(metaPath, 'utf8')) as SessionMeta;
+        const { owner, ...meta } = JSON.parse(readFileSync(metaPath, 'utf8')) as StoredMeta;
+        // Sessions from before principals existed belong to the single-token principal.
+        this.owners.set(id, owner ?? DEFAULT_PRINCIPAL);
         this.sessions.set(id, this.make(meta));
       } catch (err) {
         this.log.warn('session.load_failed', { session: id, error: (err as Error).message });
@@ -48,61 +72,77 @@ export class SessionManager {
     return this.sessions.size;
   }
 
-  async create(p: z.infer<typeof CreateParams>): Promise<Session> {
+  async create(p: z.infer<typeof CreateParams>, owner: string = DEFAULT_PRINCIPAL): Promise<Session> {
     const id = p.id ?? `s-${randomBytes(6).toString('hex')}`;
+    // The same answer whoever owns an existing id: which ids others use is not told.
     if (this.sessions.has(id) || existsSync(join(this.root, id))) throw new HutchError('already_exists', `session ${id} already exists`, { session: id });
     const meta: SessionMeta = { id, cpus: p.cpus ?? DEFAULT_CPUS, memoryMiB: p.memoryMiB ?? DEFAULT_MEMORY_MIB, createdAt: new Date().toISOString() };
     const dir = join(this.root, id);
+    privateDir(dir);
     mkdirSync(join(dir, 'workspace'), { recursive: true });
     mkdirSync(join(dir, 'state'), { recursive: true });
     const session = this.make(meta);
     try {
-      if (p.workspace) await populateWorkspace(session.workspaceDir, p.workspace, { files: session.files, fastPath: this.deps.fastPath });
-      writeFileSync(join(dir, 'session.json'), JSON.stringify(meta, null, 2));
+      if (p.workspace) await populateWorkspace(session.workspaceDir, p.workspace, { files: session.files, fastPath: this.deps.fastPath, roots: this.opts.workspaceRoots ?? [] });
+      const stored: StoredMeta = { ...meta, owner };
+      writeFileSync(join(dir, 'session.json'), JSON.stringify(stored, null, 2), { mode: 0o600 });
     } catch (err) {
       rmSync(dir, { recursive: true, force: true });
       throw err;
     }
+    this.owners.set(id, owner);
     this.sessions.set(id, session);
-    this.log.info('session.created', { session: id, cpus: meta.cpus, memoryMiB: meta.memoryMiB });
+    this.log.info('session.created', { session: id, owner, cpus: meta.cpus, memoryMiB: meta.memoryMiB });
     return session;
   }
 
-  get(id: string): Session {
+  /**
+   * A session as `principal` may see it: another principal's session answers exactly as a
+   * missing one does. Without a principal (broker-internal use), any session.
+   */
+  get(id: string, principal?: string): Session {
     const s = this.sessions.get(id);
-    if (!s) throw new HutchError('not_found', `no session ${id}`, { session: id });
+    if (!s || (principal !== undefined && this.owners.get(id) !== principal)) throw new HutchError('not_found', `no session ${id}`, { session: id });
     return s;
   }
 
-  all(): Session[] {
-    return [...this.sessions.values()];
+  ownerOf(id: string): string | undefined {
+    return this.owners.get(id);
   }
 
-  list(): SessionInfo[] {
-    return [...this.sessions.values()].map((s) => s.info());
+  /** Every session (broker-internal), or those of one principal. */
+  all(principal?: string): Session[] {
+    return [...this.sessions.values()].filter((s) => principal === undefined || this.owners.get(s.id) === principal);
   }
 
-  async close(id: string, keepWorkspace = false): Promise<{ session: string; workspace?: string }> {
-    const s = this.get(id);
+  list(principal?: string): SessionInfo[] {
+    return this.all(principal).map((s) => s.info());
+  }
+
+  async close(id: string, keepWorkspace = false, principal?: string): Promise<CloseResult> {
+    const s = this.get(id, principal);
     this.sessions.delete(id);
+    this.owners.delete(id);
     await s.close();
     const dir = join(this.root, id);
     if (keepWorkspace) {
-      // The workspace stays for the caller; the session itself is gone.
+      // The workspace stays under the data dir (sessions/<id>/workspace) for the operator; the
+      // answer names the session only, since the caller has no business with host paths.
       rmSync(join(dir, 'session.json'), { force: true });
       rmSync(join(dir, 'state'), { recursive: true, force: true });
       this.log.info('session.closed', { session: id, kept: s.workspaceDir });
-      return { session: id, workspace: s.workspaceDir };
+      return { session: id, kept: true };
     }
     rmSync(dir, { recursive: true, force: true });
     this.log.info('session.closed', { session: id });
-    return { session: id };
+    return { session: id, kept: false };
   }
 
   /** Releases every sandbox (dirty ones into their snapshot slots); workspaces and metadata stay for the next broker. */
   async shutdown(): Promise<void> {
     await Promise.all([...this.sessions.values()].map((s) => s.shutdown()));
     this.sessions.clear();
+    this.owners.clear();
   }
 
   private make(meta: SessionMeta): Session {
