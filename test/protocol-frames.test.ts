@@ -31,12 +31,25 @@ class RawPeer {
     return new RawPeer(s);
   }
 
-  hello(): void {
-    this.frame({ t: 'hello', v: PROTOCOL_VERSION, role: 'broker', maxFrame: 1024 * 1024, window: 256 * 1024, caps: {} });
+  /** Says hello with a fresh nonce; frames sent after the agent's answer carry its epoch. */
+  hello(nonce = Math.floor(Math.random() * 0xffffffff)): number {
+    this.epoch = undefined;
+    this.nonce = nonce;
+    this.frame({ t: 'hello', v: PROTOCOL_VERSION, role: 'broker', maxFrame: 1024 * 1024, window: 256 * 1024, caps: {}, nonce });
+    return nonce;
   }
 
+  private nonce: number | undefined;
+  epoch: number | undefined;
+
   frame(v: unknown): void {
-    this.sock.write(encodeFrame(v, 64 * 1024 * 1024));
+    const m = v as Record<string, unknown>;
+    if (this.epoch === undefined && this.nonce !== undefined) {
+      const answer = this.received.find((x) => (x as Record<string, unknown>)['t'] === 'hello' && (x as Record<string, unknown>)['echo'] === this.nonce) as Record<string, unknown> | undefined;
+      if (answer) this.epoch = answer['ep'] as number;
+    }
+    const stamped = m && typeof m === 'object' && m['t'] !== 'hello' && !('ep' in m) && this.epoch !== undefined ? { ...m, ep: this.epoch } : v;
+    this.sock.write(encodeFrame(stamped, 64 * 1024 * 1024));
   }
 
   async waitFor(pred: (m: Record<string, unknown>) => boolean, timeoutMs = 5000): Promise<Record<string, unknown>> {
@@ -229,7 +242,7 @@ describe('bad frames against the real agent process', () => {
 
 
 describe('device channel mode (virtio-serial semantics)', () => {
-  it('waits for the broker to speak first and accepts a new hello as a new session', async () => {
+  it('waits for the broker to speak first, answers a new hello as a new session, and refuses what belonged to the old one', async () => {
     const { createServer } = await import('node:net');
     const { mkdtempSync, mkdirSync } = await import('node:fs');
     const { join } = await import('node:path');
@@ -245,19 +258,29 @@ describe('device channel mode (virtio-serial semantics)', () => {
     const peer = await RawPeer.open(path);
     await new Promise((r) => setTimeout(r, 200));
     expect(peer.received).toEqual([]); // silent until spoken to
-    peer.hello();
-    await peer.waitFor((m) => m['t'] === 'hello');
+    // A frame before any hello is refused, not fatal: the channel stays usable.
+    peer.frame({ t: 'req', id: 7, m: 'ping', p: {} });
+    const refused = await peer.waitFor((m) => m['t'] === 'res' && m['id'] === 7);
+    expect((refused['e'] as { code: string }).code).toBe('stale_epoch');
+    const n1 = peer.hello();
+    const h1 = await peer.waitFor((m) => m['t'] === 'hello' && m['echo'] === n1);
+    const ep1 = h1['ep'] as number;
     // A long call in flight, then a new broker says hello on the same channel.
     peer.frame({ t: 'req', id: 1, m: 'exec', p: { command: 'sleep 30', stdout: 1, stderr: 3 }, s: [1, 3] });
     await new Promise((r) => setTimeout(r, 200));
     peer.received.length = 0;
-    peer.hello();
-    await peer.waitFor((m) => m['t'] === 'hello');
+    const n2 = peer.hello();
+    const h2 = await peer.waitFor((m) => m['t'] === 'hello' && m['echo'] === n2);
+    expect(h2['ep']).not.toBe(ep1);
+    // A frame of the old epoch is refused; the new epoch's request is served.
+    peer.frame({ t: 'req', id: 2, m: 'ping', p: {}, ep: ep1 });
+    expect(((await peer.waitFor((m) => m['t'] === 'res' && m['id'] === 2))['e'] as { code: string }).code).toBe('stale_epoch');
     peer.frame({ t: 'req', id: 1, m: 'ping', p: {} });
     const pong = await peer.waitFor((m) => m['t'] === 'res' && m['id'] === 1);
     expect(pong['r']).toHaveProperty('uptimeMs'); // the answer is the ping's, not the old exec's
+    expect(pong['ep']).toBe(h2['ep']);
     await new Promise((r) => setTimeout(r, 300));
-    expect(peer.received.filter((m) => (m as { t: string }).t === 'res')).toHaveLength(1);
+    expect(peer.received.filter((m) => (m as { t: string }).t === 'res' && (m as { id: number }).id === 1)).toHaveLength(1);
     peer.sock.destroy();
     srv.close();
   });

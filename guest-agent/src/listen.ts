@@ -127,7 +127,8 @@ async function openPortExclusive(device: string, giveUpMs = 10_000): Promise<num
 /** Blocks (on the threadpool) until the host sends something; read() == 0 means no host yet. */
 async function awaitHostBytes(fd: number): Promise<Buffer> {
   const buf = Buffer.allocUnsafe(64 * 1024);
-  for (let delay = 5; ; delay = Math.min(delay * 2, 100)) {
+  // Short steps: after a restore the broker is already attached and every step is wake latency.
+  for (let delay = 2; ; delay = Math.min(delay * 2, 16)) {
     const n = await new Promise<number>((resolve, reject) => fsRead(fd, buf, 0, buf.length, null, (err, bytes) => (err ? reject(err) : resolve(bytes))));
     if (n > 0) return Buffer.from(buf.subarray(0, n));
     await new Promise((r) => setTimeout(r, delay));

@@ -7,7 +7,8 @@ const LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 /** One call as the broker saw it; exported as metrics and logged. */
 export interface CallRecord {
   tool: string;
-  route: 'inprocess' | 'fastpath' | 'vm';
+  /** `none`: the call failed before a route was chosen (bad arguments). */
+  route: 'inprocess' | 'fastpath' | 'vm' | 'none';
   ok: boolean;
   woke: boolean;
   wakeHow?: string;

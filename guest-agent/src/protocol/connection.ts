@@ -1,4 +1,5 @@
 import { EventEmitter } from 'node:events';
+import { randomInt } from 'node:crypto';
 import type { Duplex } from 'node:stream';
 import type { z } from 'zod';
 import { HutchError, toHutchError, type WireError } from './errors.ts';
@@ -53,51 +54,84 @@ export interface ConnectionOptions {
   /** Protocol errors tolerated before the peer is considered broken and dropped. */
   maxProtocolErrors?: number;
   /**
-   * Send our hello only in reply to the peer's. For a channel whose far end may not be
-   * listening yet (a virtio-serial port drops what the guest writes while the host side
-   * is unconnected), so the side that connects always speaks first.
+   * A device channel (a virtio-serial port): the far side can change under us without the
+   * transport closing. As the agent: frames that arrive before a hello, or stamped with
+   * another epoch, are refused with `stale_epoch` instead of closing the channel, and a
+   * broker hello with a new nonce starts a new session. As the broker: see resendHelloMs.
    */
-  awaitPeerHello?: boolean;
+  channel?: boolean;
   /**
-   * A hello on an established connection starts a new logical session on the same
-   * transport: in-flight work fails, streams close, and we answer with our hello. A
-   * VM restored from a snapshot keeps its open virtio-serial port while the broker on
-   * the other side is new.
-   */
-  allowRehello?: boolean;
-  /**
-   * Resend our hello at this interval until the peer's arrives. A virtio-serial port can
-   * drop bytes while the guest reopens it (after a restore the guest first sees the host
-   * disconnected); a resent hello makes the handshake robust to that. Duplicate hellos
-   * from the peer in answer are expected then, and ignored.
+   * Broker: resend hello at this interval until it is answered (a virtio-serial port drops
+   * what is written while the guest has it closed or is reopening it).
    */
   resendHelloMs?: number;
+  /** Broker: ping the agent when nothing arrived for this long while requests wait. */
+  heartbeatMs?: number;
+  /** Broker: give up on the agent (`guest_unresponsive`) when nothing arrived for this long while requests wait. */
+  deadAfterMs?: number;
+  /** A deadline for every request that names none itself (the broker's guest RPC deadlines). */
+  defaultDeadline?: (method: MethodName, params: unknown, streams: number) => number | undefined;
+  /** The error a default deadline raises. */
+  defaultDeadlineCode?: 'timeout' | 'guest_unresponsive';
 }
 
 export interface RequestOptions {
   /** Streams (allocated with openInbound/openOutbound) the request uses. */
   streams?: number[];
   signal?: AbortSignal;
+  /** The request's deadline: past it, the request fails with `deadlineCode` (default `timeout`). */
   timeoutMs?: number;
+  deadlineCode?: 'timeout' | 'guest_unresponsive';
 }
 
 interface PendingRequest {
   method: MethodName;
   resolve: (r: unknown) => void;
   reject: (e: HutchError) => void;
+  /** The request frame, kept to send it (again) once a session is up. */
+  msg: Record<string, unknown>;
+  streams: number[];
+  /** Epoch it was sent under; undefined while it waits for a handshake. */
+  epoch: number | undefined;
+  /** The agent said it never started it (it reached another epoch). */
+  refused: boolean;
+  resent: boolean;
+  /** Only requests that send no stream data can be sent again: that data went to the old epoch. */
+  resendable: boolean;
 }
 
 interface ServedRequest {
   controller: AbortController;
   streams: Set<number>;
-  /** Logical session it belongs to; answers to an earlier session are dropped. */
-  generation: number;
+  /** Session it belongs to; answers to an earlier session are dropped. */
+  epoch: number;
+}
+
+/**
+ * Epochs are per agent process and only ever grow (from a random start), so a session
+ * started after a snapshot restore never reuses the epoch of the session that was live
+ * when the snapshot was taken.
+ */
+let lastEpoch = randomInt(1, 0x40000000);
+function nextEpoch(): number {
+  lastEpoch = lastEpoch >= 0xfffffff0 ? 1 : lastEpoch + 1;
+  return lastEpoch;
 }
 
 /**
  * One protocol connection: handshake, RPC in both directions, pushed events and many
  * flow-controlled streams, over any byte duplex (Unix socket, virtio-serial port, vsock).
  * Both the agent and the broker's agent client are a Connection with different roles.
+ *
+ * Handshake: the broker speaks first (`hello` with a fresh nonce); the agent answers with
+ * its hello echoing the nonce and naming the epoch of the session it starts. From then on
+ * both sides stamp that epoch on every frame and act on no frame of another epoch. On a
+ * device channel the agent's end can be reopened under the broker (a snapshot restore, an
+ * agent restart): the new agent session refuses what was meant for the old one with
+ * `stale_epoch`, the broker re-handshakes, sends again (once) each request the agent
+ * refused, and fails those that reached the old session with `interrupted` (they may have
+ * run). While requests wait, the broker pings; no frame for `deadAfterMs` closes the
+ * connection with `guest_unresponsive`, so nothing waits forever on a dead guest.
  *
  * Spec for bad input (tested): a frame whose length exceeds the limit gets a `notice`
  * (too_large) and the connection closes, because framing is lost; a body that is not
@@ -108,18 +142,20 @@ interface ServedRequest {
  */
 export class Connection extends EventEmitter {
   readonly role: Role;
+  /** Resolves at the first completed handshake. */
   readonly ready: Promise<Hello>;
   /** Resolves when the connection is gone, with the reason if it was an error. */
   readonly closed: Promise<HutchError | undefined>;
   peer: Hello | undefined;
 
   private readonly socket: Duplex;
-  private readonly decoder: FrameDecoder;
+  private decoder: FrameDecoder;
   private readonly maxFrame: number;
   private readonly window: number;
   private readonly handlers: Handlers;
   private readonly log: Logger;
   private readonly maxProtocolErrors: number;
+  private readonly channel: boolean;
   private protocolErrors = 0;
   private nextRequestId = 1;
   private nextStreamId: number;
@@ -135,13 +171,25 @@ export class Connection extends EventEmitter {
   private rejectReady!: (e: HutchError) => void;
   private resolveClosed!: (e: HutchError | undefined) => void;
   private readonly transport: StreamTransport;
-  private readonly helloMsg: Record<string, unknown>;
-  private readonly awaitPeerHello: boolean;
-  private readonly allowRehello: boolean;
-  private generation = 0;
+  private readonly caps: Capabilities;
+  /** The session's epoch once a handshake completed. */
+  private epoch: number | undefined;
+  /** Broker: the nonce of the hello we wait an answer to; agent: of the hello we answered. */
+  private nonce: number | undefined;
+  /** Broker: a (re-)handshake is under way; requests queue until it completes. */
+  private handshaking = false;
+  private helloTimer: NodeJS.Timeout | undefined;
+  private handshakeDeadline: NodeJS.Timeout | undefined;
+  private heartbeat: NodeJS.Timeout | undefined;
+  private lastHeard = Date.now();
+  private pingSeq = 0;
+  /** Agent: a stale-epoch notice was sent since the last frame of the current epoch. */
+  private staleNoticeSent = false;
+  private readonly opts: ConnectionOptions;
 
   constructor(socket: Duplex, opts: ConnectionOptions) {
     super();
+    this.opts = opts;
     this.role = opts.role;
     this.socket = socket;
     this.maxFrame = opts.maxFrameBytes ?? DEFAULT_MAX_FRAME_BYTES;
@@ -149,6 +197,8 @@ export class Connection extends EventEmitter {
     this.handlers = opts.handlers ?? {};
     this.log = opts.log ?? noopLogger;
     this.maxProtocolErrors = opts.maxProtocolErrors ?? 1000;
+    this.channel = opts.channel ?? false;
+    this.caps = opts.caps ?? {};
     this.decoder = new FrameDecoder(this.maxFrame);
     this.nextStreamId = this.role === 'broker' ? 1 : 2;
     this.ready = new Promise((res, rej) => {
@@ -179,21 +229,15 @@ export class Connection extends EventEmitter {
     timer.unref();
     void this.ready.then(() => clearTimeout(timer), () => clearTimeout(timer));
 
-    this.helloMsg = { t: 'hello', v: PROTOCOL_VERSION, role: this.role, maxFrame: this.maxFrame, window: this.window, caps: opts.caps ?? {} };
-    this.awaitPeerHello = opts.awaitPeerHello ?? false;
-    this.allowRehello = opts.allowRehello ?? false;
-    if (!this.awaitPeerHello) this.send(this.helloMsg);
-    this.resendHello = opts.resendHelloMs !== undefined;
-    if (opts.resendHelloMs !== undefined) {
-      const every = setInterval(() => {
-        if (this.peer || this.isClosed) clearInterval(every);
-        else this.send(this.helloMsg);
-      }, opts.resendHelloMs);
-      every.unref();
+    if (this.role === 'broker') {
+      this.startHandshake();
+      if (opts.heartbeatMs !== undefined) {
+        const every = opts.heartbeatMs;
+        this.heartbeat = setInterval(() => this.checkLiveness(every), Math.max(50, Math.floor(every / 2)));
+        this.heartbeat.unref();
+      }
     }
   }
-
-  private readonly resendHello: boolean;
 
   /** Bytes this side buffers per inbound stream (announced in hello). */
   get inboundWindow(): number {
@@ -202,6 +246,11 @@ export class Connection extends EventEmitter {
 
   get isOpen(): boolean {
     return !this.isClosed;
+  }
+
+  /** The current session's epoch (undefined before the first handshake). */
+  get currentEpoch(): number | undefined {
+    return this.epoch;
   }
 
   /** Allocates a stream this side will receive on; list its id in the request. */
@@ -229,44 +278,55 @@ export class Connection extends EventEmitter {
   begin<M extends MethodName>(method: M, params: ParamsOf<M>, opts: RequestOptions = {}): { id: number; result: Promise<ResultOf<M>> } {
     const id = this.nextRequestId++;
     if (this.isClosed) return { id, result: Promise.reject(new HutchError('connection_closed', `cannot call ${method}: connection is closed`)) };
-    const result = this.ready.then(
-      () =>
-        new Promise<ResultOf<M>>((resolve, reject) => {
-          let timer: NodeJS.Timeout | undefined;
-          const onAbort = () => {
-            this.send({ t: 'cancel', id });
-            finish(new HutchError('cancelled', `${method} was cancelled`, { method }));
-          };
-          const finish = (err: HutchError | undefined, r?: unknown) => {
-            if (!this.pending.delete(id)) return;
-            if (timer) clearTimeout(timer);
-            opts.signal?.removeEventListener('abort', onAbort);
-            if (err) reject(err);
-            else resolve(r as ResultOf<M>);
-          };
-          this.pending.set(id, { method, resolve: (r) => finish(undefined, r), reject: (e) => finish(e) });
-          if (opts.signal?.aborted) {
-            onAbort();
-            return;
-          }
-          opts.signal?.addEventListener('abort', onAbort, { once: true });
-          if (opts.timeoutMs !== undefined) {
-            timer = setTimeout(() => {
-              this.send({ t: 'cancel', id });
-              finish(new HutchError('timeout', `${method} got no response within ${opts.timeoutMs} ms`, { method, timeoutMs: opts.timeoutMs }));
-            }, opts.timeoutMs);
-          }
-          const msg: Record<string, unknown> = { t: 'req', id, m: method, p: params };
-          if (opts.streams?.length) msg['s'] = opts.streams;
-          try {
-            this.send(msg, true);
-          } catch (err) {
-            finish(toHutchError(err, { method }));
-            return;
-          }
-          for (const sid of opts.streams ?? []) this.outbound.get(sid)?.release();
-        }),
-    );
+    const result = new Promise<ResultOf<M>>((resolve, reject) => {
+      let timer: NodeJS.Timeout | undefined;
+      const started = Date.now();
+      const onAbort = () => {
+        this.sendCancel(id);
+        finish(new HutchError('cancelled', `${method} was cancelled`, { method }));
+      };
+      const finish = (err: HutchError | undefined, r?: unknown) => {
+        if (!this.pending.delete(id)) return;
+        if (timer) clearTimeout(timer);
+        opts.signal?.removeEventListener('abort', onAbort);
+        if (err) reject(err);
+        else resolve(r as ResultOf<M>);
+      };
+      const msg: Record<string, unknown> = { t: 'req', id, m: method, p: params };
+      const streams = opts.streams ?? [];
+      if (streams.length) msg['s'] = streams;
+      const entry: PendingRequest = {
+        method,
+        resolve: (r) => finish(undefined, r),
+        reject: (e) => finish(e),
+        msg,
+        streams,
+        epoch: undefined,
+        refused: false,
+        resent: false,
+        resendable: !streams.some((sid) => this.outbound.has(sid)),
+      };
+      this.pending.set(id, entry);
+      if (opts.signal?.aborted) {
+        onAbort();
+        return;
+      }
+      opts.signal?.addEventListener('abort', onAbort, { once: true });
+      const fallback = opts.timeoutMs === undefined ? this.opts.defaultDeadline?.(method, params, streams.length) : undefined;
+      const deadline = opts.timeoutMs ?? fallback;
+      if (deadline !== undefined) {
+        const code = opts.deadlineCode ?? (fallback !== undefined ? this.opts.defaultDeadlineCode : undefined) ?? 'timeout';
+        timer = setTimeout(() => {
+          this.sendCancel(id);
+          const waited = Date.now() - started;
+          const what = code === 'guest_unresponsive' ? `the guest did not answer ${method} within its deadline (waited ${waited} ms)` : `${method} got no response within ${deadline} ms`;
+          finish(new HutchError(code, what, { method, deadlineMs: deadline, waitedMs: waited }));
+        }, deadline);
+        timer.unref();
+      }
+      if (this.peer && !this.handshaking) this.transmit(id, entry);
+      // else: sent when the handshake completes (see onHandshake)
+    });
     return { id, result };
   }
 
@@ -281,14 +341,14 @@ export class Connection extends EventEmitter {
     this.shutdown(new HutchError('connection_closed', reason));
   }
 
-  /** Abruptly drops the connection (a peer misbehaved or the VM died). */
+  /** Abruptly drops the connection (a peer misbehaved or the VM died); pending calls fail with `err`. */
   destroy(err: HutchError): void {
     this.socket.destroy();
     this.shutdown(err);
   }
 
   /** Protocol statistics for tests and telemetry. */
-  stats(): { inboundStreams: number; outboundStreams: number; pending: number; served: number; bufferedBytes: number; protocolErrors: number } {
+  stats(): { inboundStreams: number; outboundStreams: number; pending: number; served: number; bufferedBytes: number; protocolErrors: number; epoch: number | undefined } {
     let buffered = this.decoder.bufferedBytes;
     for (const s of this.inbound.values()) buffered += s.bufferedBytes;
     return {
@@ -298,7 +358,159 @@ export class Connection extends EventEmitter {
       served: this.served.size,
       bufferedBytes: buffered,
       protocolErrors: this.protocolErrors,
+      epoch: this.epoch,
     };
+  }
+
+  // ---------------------------------------------------------------- handshake
+
+  private helloMsg(extra: Record<string, unknown>): Record<string, unknown> {
+    return { t: 'hello', v: PROTOCOL_VERSION, role: this.role, maxFrame: this.maxFrame, window: this.window, caps: this.caps, ...extra };
+  }
+
+  /** Broker: (re)starts the handshake with a fresh nonce; requests queue until it completes. */
+  private startHandshake(): void {
+    this.handshaking = true;
+    this.nonce = randomInt(0, 0xffffffff);
+    const hello = this.helloMsg({ nonce: this.nonce });
+    this.send(hello);
+    if (this.helloTimer) clearInterval(this.helloTimer);
+    if (this.opts.resendHelloMs !== undefined) {
+      this.helloTimer = setInterval(() => {
+        if (!this.handshaking || this.isClosed) {
+          clearInterval(this.helloTimer);
+          this.helloTimer = undefined;
+        } else this.send(hello);
+      }, this.opts.resendHelloMs);
+      this.helloTimer.unref();
+    }
+    if (this.peer) {
+      // A re-handshake has its own deadline; the first one is bounded by handshakeTimeoutMs.
+      const ms = this.opts.handshakeTimeoutMs ?? 10_000;
+      if (this.handshakeDeadline) clearTimeout(this.handshakeDeadline);
+      this.handshakeDeadline = setTimeout(() => {
+        if (this.handshaking) this.fatal(new HutchError('guest_unresponsive', `the agent did not answer a re-handshake within ${ms} ms`, { deadlineMs: ms }));
+      }, ms);
+      this.handshakeDeadline.unref();
+    }
+  }
+
+  /** Broker: the agent answered our current hello: a session with its epoch begins. */
+  private onHandshake(hello: Hello): void {
+    const first = this.peer === undefined;
+    const previous = this.epoch;
+    this.peer = hello;
+    this.epoch = hello.ep ?? 0;
+    this.handshaking = false;
+    if (this.helloTimer) clearInterval(this.helloTimer);
+    this.helloTimer = undefined;
+    if (this.handshakeDeadline) clearTimeout(this.handshakeDeadline);
+    this.handshakeDeadline = undefined;
+    if (!first) this.log.info('protocol.rehandshake', { from: previous, to: this.epoch });
+    for (const [id, p] of [...this.pending]) {
+      if (p.epoch === undefined) {
+        this.transmit(id, p);
+      } else if (p.epoch !== this.epoch) {
+        if (p.refused && !p.resent && p.resendable) {
+          p.resent = true;
+          p.refused = false;
+          this.transmit(id, p);
+        } else {
+          p.reject(
+            new HutchError('interrupted', `${p.method} was in flight when the agent's side of the channel started over; it may or may not have run`, {
+              method: p.method,
+              refused: p.refused,
+            }),
+          );
+          for (const sid of p.streams) this.failStream(sid, new HutchError('interrupted', `the request of stream ${sid} was interrupted`));
+        }
+      }
+    }
+    if (first) this.resolveReady(hello);
+    this.emit('ready', hello);
+  }
+
+  /** Agent: a broker hello: start a session (or answer a resent hello of the current one again). */
+  private onBrokerHello(hello: Hello): void {
+    if (this.peer && hello.nonce !== undefined && hello.nonce === this.nonce) {
+      this.send(this.helloMsg({ echo: this.nonce, ep: this.epoch })); // a resent hello: same answer
+      return;
+    }
+    const restarting = this.peer !== undefined;
+    if (restarting) {
+      if (!this.channel) {
+        this.protocolError(new HutchError('bad_request', 'duplicate hello'));
+        return;
+      }
+      this.failEverything(new HutchError('interrupted', 'a new broker session started on this channel'));
+      this.protocolErrors = 0;
+    }
+    this.peer = hello;
+    this.nonce = hello.nonce;
+    this.epoch = nextEpoch();
+    this.staleNoticeSent = false;
+    this.send(this.helloMsg({ ...(hello.nonce !== undefined ? { echo: hello.nonce } : {}), ep: this.epoch }));
+    if (restarting) this.log.info('protocol.new_session', { epoch: this.epoch });
+    else this.resolveReady(hello);
+    this.emit('ready', hello);
+  }
+
+  /** Agent: a frame that belongs to no session of ours: refuse it so the broker re-handshakes. */
+  private refuseStale(msg: Message): void {
+    const why = this.peer ? `frame of epoch ${String(msg.ep)} reached epoch ${this.epoch}` : 'frame before any hello on this channel';
+    if (msg.t === 'req') {
+      this.send({ t: 'res', id: msg.id, e: new HutchError('stale_epoch', `request not started: ${why}`, { id: msg.id }).toWire() });
+      return;
+    }
+    if (!this.staleNoticeSent || msg.t === 'ping') {
+      this.staleNoticeSent = true;
+      this.send({ t: 'notice', e: new HutchError('stale_epoch', why).toWire() });
+    }
+  }
+
+  /** Broker: the agent said a request of ours reached another session: it never started. */
+  private onStale(id: number | undefined): void {
+    if (id !== undefined) {
+      const p = this.pending.get(id);
+      if (p) p.refused = true;
+    }
+    if (!this.handshaking) {
+      this.log.warn('protocol.stale_epoch', { epoch: this.epoch, request: id });
+      this.startHandshake();
+    }
+  }
+
+  private transmit(id: number, p: PendingRequest): void {
+    p.epoch = this.epoch;
+    try {
+      this.send(p.msg, true);
+    } catch (err) {
+      p.reject(toHutchError(err, { method: p.method }));
+      return;
+    }
+    for (const sid of p.streams) this.outbound.get(sid)?.release();
+  }
+
+  private sendCancel(id: number): void {
+    const p = this.pending.get(id);
+    if (p && p.epoch !== undefined && p.epoch === this.epoch && !this.handshaking) this.send({ t: 'cancel', id });
+  }
+
+  /** Broker: ping while requests wait; nothing heard for deadAfterMs means the guest is gone. */
+  private checkLiveness(every: number): void {
+    if (this.isClosed) return;
+    if (this.pending.size === 0 && !this.handshaking) {
+      this.lastHeard = Date.now();
+      return;
+    }
+    const silent = Date.now() - this.lastHeard;
+    const dead = this.opts.deadAfterMs;
+    if (dead !== undefined && silent > dead) {
+      const methods = [...new Set([...this.pending.values()].map((p) => p.method))].join(', ');
+      this.fatal(new HutchError('guest_unresponsive', `the agent sent nothing for ${silent} ms while ${this.pending.size} call(s) waited (${methods || 'handshake'})`, { silentMs: silent, methods }));
+      return;
+    }
+    if (silent >= every && this.peer && !this.handshaking) this.send({ t: 'ping', n: ++this.pingSeq });
   }
 
   // ---------------------------------------------------------------- internals
@@ -321,6 +533,7 @@ export class Connection extends EventEmitter {
 
   private send(msg: Record<string, unknown>, throwOnError = false): void {
     if (this.isClosed) return;
+    if (msg['t'] !== 'hello' && this.epoch !== undefined) msg = { ...msg, ep: this.epoch };
     let frame: Buffer;
     try {
       // Before the handshake we only know our own limit; hello is tiny anyway.
@@ -338,7 +551,7 @@ export class Connection extends EventEmitter {
     if (this.isClosed) return;
     // cork/uncork turns head + payload into one writev without copying the payload.
     this.socket.cork();
-    this.socket.write(encodeDataFrameHead(stream, payload.length));
+    this.socket.write(encodeDataFrameHead(stream, payload.length, this.epoch ?? 0));
     this.socket.write(payload);
     this.socket.uncork();
   }
@@ -361,11 +574,26 @@ export class Connection extends EventEmitter {
     if (out && out.ended) this.outbound.delete(id);
   }
 
+  private failStream(id: number, err: HutchError): void {
+    this.inbound.get(id)?.fail(err);
+    this.outbound.get(id)?.fail(err);
+    this.inbound.delete(id);
+    this.outbound.delete(id);
+  }
+
   private onData(chunk: Buffer): void {
+    this.lastHeard = Date.now();
     for (const res of this.decoder.push(chunk)) {
       if (this.isClosed) return;
       if (!res.ok) {
         if (res.fatal) {
+          if (this.channel && this.role === 'agent' && !this.peer) {
+            // Bytes meant for an earlier reader of the port (framing lost mid-stream): start
+            // over at the next write; the broker's resent hello begins on a frame boundary.
+            this.decoder = new FrameDecoder(this.maxFrame);
+            this.refuseStaleRaw();
+            return;
+          }
           this.fatal(res.error);
           return;
         }
@@ -383,6 +611,12 @@ export class Connection extends EventEmitter {
         this.protocolError(toHutchError(err));
       }
     }
+  }
+
+  private refuseStaleRaw(): void {
+    if (this.staleNoticeSent) return;
+    this.staleNoticeSent = true;
+    this.send({ t: 'notice', e: new HutchError('stale_epoch', 'undecodable bytes before any hello on this channel').toWire() });
   }
 
   private rejectInvalid(value: unknown, error: z.ZodError): void {
@@ -421,34 +655,41 @@ export class Connection extends EventEmitter {
   }
 
   private dispatch(msg: Message): void {
-    if (!this.peer) {
-      if (msg.t !== 'hello') {
+    if (msg.t === 'hello') {
+      this.onHello(msg);
+      return;
+    }
+    if (this.role === 'agent') {
+      if (!this.peer) {
+        if (this.channel) this.refuseStale(msg);
+        else this.fatal(new HutchError('bad_request', `expected hello as the first frame, got ${msg.t}`));
+        return;
+      }
+      if (msg.ep !== this.epoch) {
+        this.refuseStale(msg);
+        return;
+      }
+      this.staleNoticeSent = false;
+    } else {
+      // The agent refusing what reached the wrong session carries its own (new) epoch.
+      if (msg.t === 'res' && msg.e?.code === 'stale_epoch') {
+        this.onStale(msg.id);
+        return;
+      }
+      if (msg.t === 'notice' && msg.e.code === 'stale_epoch') {
+        this.onStale(undefined);
+        return;
+      }
+      if (!this.peer) {
         this.fatal(new HutchError('bad_request', `expected hello as the first frame, got ${msg.t}`));
         return;
       }
-      if (msg.v !== PROTOCOL_VERSION) {
-        this.fatal(new HutchError('unsupported_version', `peer speaks protocol v${msg.v}, this side v${PROTOCOL_VERSION}`, { peer: msg.v, ours: PROTOCOL_VERSION }));
+      if (msg.ep !== this.epoch) {
+        this.log.debug('protocol.other_epoch_dropped', { t: msg.t, ep: msg.ep, epoch: this.epoch });
         return;
       }
-      if (msg.role === this.role) {
-        this.fatal(new HutchError('bad_request', `both sides claim the role ${msg.role}`));
-        return;
-      }
-      this.peer = msg;
-      if (this.awaitPeerHello) this.send(this.helloMsg);
-      this.resolveReady(msg);
-      this.emit('ready', msg);
-      return;
     }
     switch (msg.t) {
-      case 'hello':
-        if (this.allowRehello && msg.v === PROTOCOL_VERSION && msg.role !== this.role) {
-          this.restartSession(msg);
-          return;
-        }
-        if (this.resendHello) return; // the answer to one of our resent hellos
-        this.protocolError(new HutchError('bad_request', 'duplicate hello'));
-        return;
       case 'req':
         this.serve(msg.id, msg.m, msg.p, msg.s ?? []);
         return;
@@ -473,11 +714,35 @@ export class Connection extends EventEmitter {
       case 'end':
         this.onStreamEnd(msg.s, msg.e);
         return;
+      case 'ping':
+        this.send({ t: 'pong', n: msg.n });
+        return;
+      case 'pong':
+        return; // onData noted that the peer is alive
       case 'notice':
         this.log.warn('protocol.peer_notice', { code: msg.e.code, error: msg.e.message });
         this.emit('notice', HutchError.fromWire(msg.e));
         return;
     }
+  }
+
+  private onHello(msg: Hello): void {
+    if (msg.v !== PROTOCOL_VERSION) {
+      this.fatal(new HutchError('unsupported_version', `peer speaks protocol v${msg.v}, this side v${PROTOCOL_VERSION}`, { peer: msg.v, ours: PROTOCOL_VERSION }));
+      return;
+    }
+    if (msg.role === this.role) {
+      this.fatal(new HutchError('bad_request', `both sides claim the role ${msg.role}`));
+      return;
+    }
+    if (this.role === 'agent') {
+      this.onBrokerHello(msg);
+      return;
+    }
+    // Broker: only the answer to our current hello counts; answers to earlier (resent or
+    // pre-restart) hellos, and repeats of the current answer, are expected and ignored.
+    if (msg.echo !== this.nonce || !this.handshaking) return;
+    this.onHandshake(msg);
   }
 
   private isPeerStream(id: number): boolean {
@@ -565,7 +830,7 @@ export class Connection extends EventEmitter {
       this.send({ t: 'res', id, e: new HutchError('bad_request', `invalid ${method} params: ${summary}`, { method }).toWire() });
       return;
     }
-    const entry: ServedRequest = { controller: new AbortController(), streams: new Set(streams), generation: this.generation };
+    const entry: ServedRequest = { controller: new AbortController(), streams: new Set(streams), epoch: this.epoch ?? 0 };
     this.served.set(id, entry);
     for (const s of streams) this.declared.set(s, id);
     const ctx: RequestContext = {
@@ -609,7 +874,7 @@ export class Connection extends EventEmitter {
   }
 
   private finishServed(id: number, entry: ServedRequest, response: Record<string, unknown>): void {
-    if (entry.generation !== this.generation) return; // its requester is gone
+    if (entry.epoch !== this.epoch || this.served.get(id) !== entry) return; // its session is gone
     // Streams die with their request: unread input is refused, unfinished output ended,
     // so a handler that forgets one cannot leak it. Output ends are queued behind their
     // data, and the response behind those ends.
@@ -626,6 +891,7 @@ export class Connection extends EventEmitter {
     }
     this.served.delete(id);
     const respond = () => {
+      if (entry.epoch !== this.epoch) return;
       try {
         this.send(response, true);
       } catch (err) {
@@ -635,19 +901,6 @@ export class Connection extends EventEmitter {
     };
     if (flushes.length === 0) respond();
     else void Promise.all(flushes).then(() => setImmediate(respond));
-  }
-
-  /** A new peer on the same transport: everything of the old one ends, as if it had disconnected. */
-  private restartSession(hello: Hello): void {
-    const err = new HutchError('connection_closed', 'the peer started a new session on this channel');
-    this.failEverything(err);
-    this.generation++;
-    this.protocolErrors = 0;
-    this.peer = hello;
-    this.send(this.helloMsg);
-    this.log.info('protocol.rehello', { peerRole: hello.role });
-    this.emit('rehello', hello);
-    this.emit('ready', hello);
   }
 
   private failEverything(err: HutchError): void {
@@ -666,6 +919,9 @@ export class Connection extends EventEmitter {
   private shutdown(err: HutchError): void {
     if (this.isClosed) return;
     this.isClosed = true;
+    if (this.helloTimer) clearInterval(this.helloTimer);
+    if (this.handshakeDeadline) clearTimeout(this.handshakeDeadline);
+    if (this.heartbeat) clearInterval(this.heartbeat);
     this.rejectReady(err);
     this.failEverything(err);
     this.resolveClosed(err.code === 'connection_closed' ? undefined : err);

@@ -20,12 +20,17 @@ export const ERROR_CODES = [
   'multiple_matches', // edit: oldString occurs N > 1 times without replaceAll
   'timeout',
   'too_large', // frame, file or output above its limit
+  'unsupported_file_type', // a FIFO, socket or device node: sync carries files, directories and symlinks only
+  'invalid_name', // a file name this side cannot create (too long, or not a valid path component)
   'busy', // a resource is at capacity; retry later
   'cancelled',
   'flow_control', // the peer sent more than its stream credit allowed
   'unsupported_version',
   'connection_closed', // the channel to the agent closed while a call was in flight
   'guest_crashed', // the VM behind the channel died
+  'guest_unresponsive', // the guest did not answer an RPC within its deadline; its VM was torn down
+  'interrupted', // the channel to the guest was reset while the call was in flight: it may or may not have run
+  'stale_epoch', // a frame of an earlier connection epoch reached a newer one (the peer re-handshakes)
   'unavailable', // a feature this host or kernel cannot provide
   'internal',
 ] as const;

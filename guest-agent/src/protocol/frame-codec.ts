@@ -29,20 +29,22 @@ export function encodeFrame(value: unknown, maxFrameBytes: number): Buffer {
 }
 
 /**
- * The hot path: a `{t:'data', s, d}` frame encoded by hand as the same msgpack a Packr
- * would produce (fixmap 3, keys as fixstr, s as uint32, d as bin32), returned as a small
- * head plus the caller's payload so the payload is written with writev and never copied.
+ * The hot path: a `{t:'data', s, ep, d}` frame encoded by hand as the same msgpack a Packr
+ * would produce (fixmap 4, keys as fixstr, s and ep as uint32, d as bin32), returned as a
+ * small head plus the caller's payload so the payload is written with writev and never copied.
  */
-const DATA_HEAD_BYTES = 1 + 2 + 5 + 2 + 5 + 2 + 5;
-export function encodeDataFrameHead(stream: number, payloadBytes: number): Buffer {
+const DATA_HEAD_BYTES = 1 + 2 + 5 + 2 + 5 + 3 + 5 + 2 + 5;
+export function encodeDataFrameHead(stream: number, payloadBytes: number, epoch = 0): Buffer {
   const bodyLen = DATA_HEAD_BYTES + payloadBytes;
   const h = Buffer.allocUnsafe(FRAME_HEADER_BYTES + DATA_HEAD_BYTES);
   let o = h.writeUInt32BE(bodyLen, 0);
-  h[o++] = 0x83; // fixmap, 3 entries
+  h[o++] = 0x84; // fixmap, 4 entries
   h[o++] = 0xa1; h[o++] = 0x74; // "t"
   h[o++] = 0xa4; o += h.write('data', o, 'latin1');
   h[o++] = 0xa1; h[o++] = 0x73; // "s"
   h[o++] = 0xce; o = h.writeUInt32BE(stream, o);
+  h[o++] = 0xa2; h[o++] = 0x65; h[o++] = 0x70; // "ep"
+  h[o++] = 0xce; o = h.writeUInt32BE(epoch >>> 0, o);
   h[o++] = 0xa1; h[o++] = 0x64; // "d"
   h[o++] = 0xc6; h.writeUInt32BE(payloadBytes, o);
   return h;

@@ -27,6 +27,8 @@ export interface WakeInfo {
   /** Bytes of workspace pushed while waking. */
   pushedBytes?: number;
   restoreMs?: number;
+  /** The guest's clock minus the host's after the restore (checked on every restore). */
+  clockErrorMs?: number;
 }
 
 /** A snapshot of one session's VM, written at release when it changed state outside /work and /tmp. */

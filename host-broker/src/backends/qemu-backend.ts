@@ -6,6 +6,7 @@ import type { Logger } from '../../../guest-agent/src/log.ts';
 import { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { WorkspaceSync } from '../../../guest-agent/src/workspace/sync.ts';
 import type { TelemetrySample } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
+import type { ResultOf } from '../../../guest-agent/src/protocol/methods.ts';
 import { hostTscKhz } from '../../../kernel-configs/boot-params.ts';
 import type { AgentClient } from '../agent-client.ts';
 import type { HostChanges } from '../sync/host-changes.ts';
@@ -13,7 +14,8 @@ import { manifestFromJson, manifestToJson } from '../sync/manifest.ts';
 import { fsyncPath } from '../lifecycle/snapshot-slots.ts';
 import { WorkspaceMirror } from '../sync/workspace-mirror.ts';
 import { chooseAccel } from '../vm/accel.ts';
-import { connectAgent } from '../vm/agent-channel.ts';
+import { connectAgent, detachAgent, resumeGuest } from '../vm/agent-channel.ts';
+import { KVM_DEADLINES, TCG_DEADLINES, type DeadlinePolicy } from '../deadlines.ts';
 import { ensureGuestImage, type KernelChoice, type ResolvedGuestImage } from '../vm/guest-image.ts';
 import { cleanupOrphans } from '../vm/orphans.ts';
 import { QemuDriver } from '../vm/qemu-driver.ts';
@@ -31,6 +33,8 @@ export interface QemuBackendOptions {
   /** Largest file pulled back from a guest. */
   maxFileBytes?: number;
   tcgTbMiB?: number;
+  /** Use the cached guest image only (`hutch serve --no-build`). */
+  noBuild?: boolean;
 }
 
 /** Free page reporting granularity (page order) while a VM idles reclaimed, and while it works (the kernel's default). */
@@ -67,7 +71,7 @@ export class QemuBackend implements VmBackend {
   }
 
   static async create(opts: QemuBackendOptions): Promise<QemuBackend> {
-    const image = await ensureGuestImage({ ...(opts.kernel ? { kernel: opts.kernel } : {}), log: (m) => opts.log.info('guest.build', { msg: m }) });
+    const image = await ensureGuestImage({ ...(opts.kernel ? { kernel: opts.kernel } : {}), ...(opts.noBuild ? { noBuild: true } : {}), log: (m) => opts.log.info('guest.build', { msg: m }) });
     const accel = await chooseAccel(image.kernel, { cacheDir: opts.cacheDir, log: opts.log, ...(opts.accel ? { force: opts.accel } : {}) });
     // Under TCG the guest's TSC is the host's: telling the kernel its frequency skips the
     // calibration that is slow and flaky in an emulator.
@@ -104,19 +108,24 @@ export class QemuBackend implements VmBackend {
     let agent: AgentClient | undefined;
     try {
       // A cold-booted guest's agent waits for the broker's hello; its clock and RNG are fresh.
-      agent = await connectAgent(vm, { timeoutMs: opts.coldBoot ? 300_000 : 60_000, log: this.opts.log, resume: !opts.coldBoot });
+      agent = await connectAgent(vm, { timeoutMs: (opts.coldBoot ? 300_000 : 15_000) * this.deadlines.scale, log: this.opts.log, deadlines: this.deadlines });
+      // Entropy and the clock go first; the push runs while the guest sets its clock.
+      const resumed = opts.coldBoot ? undefined : resumeGuest(agent);
+      resumed?.catch(() => undefined);
       const hostWs = new Workspace(spec.workspaceDir);
       const mirror = new WorkspaceMirror(hostWs, new WorkspaceSync(hostWs));
       // From a slot the guest already holds the workspace as it was: push only the difference.
       if (from) mirror.guestView = manifestFromJson(readFileSync(from.manifest, 'utf8'));
       const pushed = await mirror.push(agent);
-      const { marker } = await agent.call('sync.mark', {});
-      const sandbox = new QemuSandbox(spec, vm, agent, mirror, marker, this.opts.maxFileBytes ?? 256 * 1024 * 1024, pristine.meta.key, this.opts.log, () => this.sandboxes.delete(sandbox));
+      const clock = resumed ? checkClock(await resumed, spec.session, this.opts.log) : undefined;
+      const mark = await agent.call('sync.mark', {});
+      agent.workspaceEntries = mark.entries;
+      const sandbox = new QemuSandbox(spec, vm, agent, mirror, mark.marker, this.opts.maxFileBytes ?? 256 * 1024 * 1024, pristine.meta.key, this.opts.log, () => this.sandboxes.delete(sandbox));
       this.sandboxes.add(sandbox);
       const wakeMs = performance.now() - t0;
       const how = from ? 'slot-restore' : opts.coldBoot ? 'cold-boot' : 'pristine-restore';
-      this.opts.log.info('vm.woke', { session: spec.session, how, wakeMs: Math.round(wakeMs), restoreMs: Math.round(restoreMs), pushedFiles: pushed.files, pushedBytes: pushed.bytes });
-      return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs } };
+      this.opts.log.info('vm.woke', { session: spec.session, how, wakeMs: Math.round(wakeMs), restoreMs: Math.round(restoreMs), pushedFiles: pushed.files, pushedBytes: pushed.bytes, ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
+      return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs, ...(clock ? { clockErrorMs: clock.errorMs } : {}) } };
     } catch (err) {
       agent?.close();
       await vm.destroy();
@@ -127,6 +136,11 @@ export class QemuBackend implements VmBackend {
   async shutdown(): Promise<void> {
     await Promise.all([...this.sandboxes].map((s) => s.close()));
     cleanupOrphans(this.runRoot, this.opts.log);
+  }
+
+  /** Guest RPC deadlines: an emulated guest gets several times a KVM guest's. */
+  get deadlines(): DeadlinePolicy {
+    return this.accel === 'kvm' ? KVM_DEADLINES : TCG_DEADLINES;
   }
 
   private size(spec: SandboxSpec): { memoryMiB: number; cpus: number; swapMiB: number } {
@@ -167,7 +181,9 @@ class QemuSandbox implements Sandbox {
       const pushed = await this.guard(() => this.mirror.push(this.agent, hostChanges.kind === 'paths' ? hostChanges.paths : undefined));
       pushedBytes = pushed.bytes;
       // What we just pushed must not come back as a guest change.
-      this.marker = (await this.guard(() => this.agent.call('sync.mark', {}))).marker;
+      const mark = await this.guard(() => this.agent.call('sync.mark', {}));
+      this.marker = mark.marker;
+      this.agent.workspaceEntries = mark.entries;
     }
     let value: T;
     try {
@@ -227,7 +243,9 @@ class QemuSandbox implements Sandbox {
     mkdirSync(dir, { recursive: true });
     const state = join(dir, 'state.bin');
     const manifest = join(dir, 'manifest.json');
-    this.agent.close();
+    // The agent ends its session and waits on a fresh open of its port: the slot then
+    // restores the same way whoever connects to it (connection.ts explains the epochs).
+    await detachAgent(this.agent);
     const snap = await this.vm.snapshot(state);
     writeFileSync(manifest, manifestToJson(this.mirror.guestView ?? new Map()));
     // Durable before the slot becomes current: a crash must never leave a torn "last good" slot.
@@ -239,20 +257,41 @@ class QemuSandbox implements Sandbox {
   }
 
   async close(): Promise<void> {
-    this.agent.close();
+    this.agent.connection.destroy(new HutchError('guest_crashed', `the VM of session ${this.spec.session} was stopped`, { session: this.spec.session }));
     await this.vm.destroy();
     this.onClose();
   }
 
-  /** A VM that died under a call becomes a typed error the session can act on. */
+  /**
+   * A VM that died under a call, or stopped answering, becomes a typed error the session
+   * can act on. An unresponsive guest is torn down here and now: nothing may wait on it
+   * again, and the next call wakes a fresh VM from the host workspace.
+   */
   private async guard<T>(fn: () => Promise<T>): Promise<T> {
     try {
       return await fn();
     } catch (err) {
-      if (!this.vm.running || (err instanceof HutchError && err.code === 'connection_closed')) {
+      if (err instanceof HutchError && err.code === 'guest_unresponsive') {
+        this.log.error('vm.unresponsive', { session: this.spec.session, error: err.message, ...err.context });
+        await this.close().catch(() => undefined);
+        throw new HutchError('guest_unresponsive', `${err.message}; the VM of session ${this.spec.session} was torn down, the host workspace keeps what earlier calls left and the next call starts a fresh VM`, { session: this.spec.session, ...err.context });
+      }
+      if (!this.vm.running || (err instanceof HutchError && (err.code === 'connection_closed' || err.code === 'guest_crashed'))) {
         throw new HutchError('guest_crashed', `the VM of session ${this.spec.session} died during the call; the host workspace keeps its state from before the call`, { session: this.spec.session });
       }
       throw err;
     }
   }
+}
+
+/** The guest clock after a restore may be off by the RPC's travel time, not by more. */
+const CLOCK_TOLERANCE_MS = 2_000;
+
+/** Checks what the guest reported of its clock after a restore; a wrong clock is logged loudly, not hidden. */
+function checkClock(r: ResultOf<'agent.resume'>, session: string, log: Logger): { errorMs: number } {
+  const errorMs = Math.round(r.guestNowMs - Date.now());
+  if (r.clockError || Math.abs(errorMs) > CLOCK_TOLERANCE_MS) {
+    log.error('vm.clock_wrong', { session, clockSet: r.clockSet, clockError: r.clockError, clockDeltaMs: Math.round(r.clockDeltaMs), guestMinusHostMs: errorMs });
+  }
+  return { errorMs };
 }

@@ -140,6 +140,7 @@ export class CgroupLimiter implements Limiter {
       // v2 cannot hold one thread of a process in another cgroup (outside threaded mode).
       threadEntry: this.version === 'cgroup-v1' ? slot.dirs.map((d) => join(d.dir, 'tasks')) : undefined,
       kill: () => this.killAll(slot),
+      signal: (sig) => this.signalAll(slot, sig),
       release: () => this.release(slot, before),
     };
   }
@@ -222,15 +223,22 @@ export class CgroupLimiter implements Limiter {
 
   private killAll(slot: Slot): void {
     if (this.version === 'cgroup-v2' && this.tryWrite(slot, 'pids', 'cgroup.kill', '1')) return;
+    this.signalAll(slot, 'SIGKILL');
+  }
+
+  private signalAll(slot: Slot, sig: NodeJS.Signals): boolean {
+    let sent = false;
     for (const pid of this.pids(slot)) {
       // A forker caught mid-fork in the slot (thread entry) is ours, not the tenant's.
       if (pid === process.pid || this.opts.isProtected?.(pid)) continue;
       try {
-        process.kill(pid, 'SIGKILL');
+        process.kill(pid, sig);
+        sent = true;
       } catch {
         // already gone
       }
     }
+    return sent;
   }
 
   /** Kills stragglers until the slot is empty; false if it would not empty. */

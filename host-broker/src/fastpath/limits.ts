@@ -50,6 +50,8 @@ export interface RunSlot {
   threadEntry?: string[] | undefined;
   /** Kills whatever is in the slot (the backstop behind bwrap's own teardown). */
   kill(): void;
+  /** Sends a signal to every process in the slot (the harness `signal` op); false where the limiter cannot see them. */
+  signal(sig: NodeJS.Signals): boolean;
   /** After the run: makes sure nothing is left, reads what the limits saw, frees the slot. */
   release(): Promise<RunLimitReport>;
 }

@@ -41,6 +41,7 @@ export class RlimitLimiter implements Limiter {
     return {
       wrap: (argv) => [this.opts.shell, '-c', `ulimit -p ${maxProcesses} && ulimit -v ${Math.ceil(memoryBytes / 1024)} && exec "$@"`, 'hutch-enter', ...argv],
       kill: () => undefined, // nothing beyond bwrap's own teardown (pid namespace, --die-with-parent)
+      signal: () => false, // without a cgroup the sandbox's processes cannot be found from here
       release: async () => report,
     };
   }

@@ -99,7 +99,7 @@ export class SandboxLifecycle {
         const value = await fn(sb, this.hostChanges.take());
         return { value, wake, queuedMs };
       } catch (err) {
-        if (err instanceof HutchError && err.code === 'guest_crashed') await this.drop('crashed during a call');
+        if (err instanceof HutchError && (err.code === 'guest_crashed' || err.code === 'guest_unresponsive')) await this.drop(err.code === 'guest_crashed' ? 'crashed during a call' : 'stopped answering');
         throw err;
       } finally {
         done();
@@ -142,13 +142,34 @@ export class SandboxLifecycle {
     return this.lock.run(() => this.releaseLocked(why));
   }
 
-  async close(): Promise<void> {
+  /**
+   * Ends the session's VM in bounded time: a call still holding the lock after `graceMs`
+   * (its guest wedged, or a long command the caller already cancelled) has its VM stopped
+   * under it, which fails the call at once and frees the lock.
+   */
+  async close(graceMs = CLOSE_GRACE_MS): Promise<void> {
     this.closed = true;
     this.cancelIdle();
-    await this.lock.run(async () => {
+    const dropped = this.lock.run(async () => {
       await this.drop('session closed');
     });
+    if (!(await settlesWithin(dropped, graceMs))) {
+      const sb = this.sandbox;
+      this.log.warn('vm.close_forced', { graceMs, live: sb !== undefined });
+      if (sb) {
+        this.retiring = sb;
+        await sb.close().catch(() => undefined);
+      }
+      await settlesWithin(dropped, graceMs);
+    }
     await this.hostChanges.close();
+  }
+
+  /** Releases for a broker shutdown, in bounded time (a release that hangs is abandoned and the VM stopped). */
+  async shutdownRelease(graceMs = SHUTDOWN_RELEASE_MS): Promise<void> {
+    const released = this.release('broker shutdown').catch((err: unknown) => this.log.warn('vm.release_failed', { error: (err as Error).message }));
+    if (!(await settlesWithin(released, graceMs))) this.log.warn('vm.shutdown_release_abandoned', { graceMs });
+    await this.close();
   }
 
   /** A live VM: nothing to do, unless it was reclaimed, then prefetch what its last call touched. */
@@ -301,6 +322,28 @@ export class SandboxLifecycle {
     if (this.idleTimer) clearTimeout(this.idleTimer);
     this.idleTimer = undefined;
   }
+}
+
+/** How long close() lets a call in flight finish before stopping its VM under it. */
+const CLOSE_GRACE_MS = 5_000;
+/** How long a shutdown release (a snapshot into a slot) may take before the VM is just stopped. */
+const SHUTDOWN_RELEASE_MS = 60_000;
+
+function settlesWithin(p: Promise<unknown>, ms: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    const t = setTimeout(() => resolve(false), ms);
+    t.unref();
+    p.then(
+      () => {
+        clearTimeout(t);
+        resolve(true);
+      },
+      () => {
+        clearTimeout(t);
+        resolve(true);
+      },
+    );
+  });
 }
 
 /** A SATA SSD's sequential write speed as measured here (~293 MB/s). */

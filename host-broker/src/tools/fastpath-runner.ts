@@ -12,6 +12,8 @@ export interface FastPathRunRequest {
   onStdout?: (c: Uint8Array) => void | Promise<void>;
   onStderr?: (c: Uint8Array) => void | Promise<void>;
   signal?: AbortSignal;
+  /** Receives the function that sends the running command a signal. */
+  onSignalable?: (send: (sig: 'SIGINT' | 'SIGTERM' | 'SIGKILL' | 'SIGHUP' | 'SIGQUIT' | 'SIGUSR1' | 'SIGUSR2' | 'SIGSTOP' | 'SIGCONT') => Promise<boolean>) => void;
 }
 
 export interface FastPathRunner {

@@ -5,7 +5,7 @@ import { execFileSync } from 'node:child_process';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { connectAgent } from './agent-channel.ts';
+import { connectAgent, detachAgent } from './agent-channel.ts';
 import type { GuestImage, SnapshotFiles, VmmDriver } from './vmm.ts';
 
 export interface PristineMeta {
@@ -28,9 +28,10 @@ export interface Pristine extends SnapshotFiles {
 /**
  * Bumped when the VM's device layout changes (a snapshot only restores into the same
  * layout), or when snapshots made before a fix cannot be trusted: 2 = memory files written
- * before restored VMs ran under the shared-RAM guard may have holes punched in them.
+ * before restored VMs ran under the shared-RAM guard may have holes punched in them;
+ * 3 = snapshots taken with the agent detached (epoch handshake).
  */
-const LAYOUT_VERSION = 2;
+const LAYOUT_VERSION = 3;
 
 /**
  * The pristine snapshot: one VM booted to a warm, ready agent, paused, its RAM kept in a
@@ -122,9 +123,12 @@ export class SnapshotStore {
         const agent = await connectAgent(vm, { timeoutMs: Number(process.env.HUTCH_BOOT_TIMEOUT_MS ?? 300_000), log: this.log });
         const bootMs = performance.now() - t0;
         // The agent answered: init is done (python preloaded, caches warm). Nothing runs now.
-        await agent.call('ping', {});
+        await agent.call('ping', {}, { timeoutMs: 60_000 });
+        // Snapshot with no broker session in the guest: every restore then starts from an
+        // agent waiting for its first broker, whoever built the snapshot.
+        await detachAgent(agent);
+        await new Promise((r) => setTimeout(r, 400));
         const snap = await vm.snapshot(join(tmp, 'state.bin'));
-        agent.close();
         await vm.destroy();
         const meta: PristineMeta = { key, ...size, accel: this.driver.accel, bootMs: Math.round(bootMs), snapshotMs: Math.round(snap.ms), stateBytes: snap.stateBytes, createdAt: new Date().toISOString() };
         writeFileSync(join(tmp, 'meta.json'), JSON.stringify(meta, null, 2));
