@@ -214,6 +214,37 @@ describe('glob, grep, list', () => {
     expect(compileGlob('*.[!ch]')('y.h')).toBe(false);
     expect(() => compileGlob('{a,b')).toThrow(/unterminated/);
   });
+
+  it('glob matching covers braces, classes, escapes and ** in the middle', () => {
+    const cases: Array<[string, string, boolean]> = [
+      ['src/**/*.ts', 'src/a.ts', true],
+      ['src/**/*.ts', 'src/x/y/a.ts', true],
+      ['src/**/*.ts', 'srcx/a.ts', false],
+      ['a/**', 'a/b/c', true],
+      ['a/**', 'b/a/c', false],
+      ['*.{ts,{m,c}js}', 'x/y.mjs', true],
+      ['*.{ts,{m,c}js}', 'y.js', false],
+      ['{a,b}/*.py', 'b/c.py', true],
+      ['{a,b}/*.py', 'c/b/c.py', false],
+      ['src/*', 'src/a/b', false],
+      ['?.txt', 'ab.txt', false],
+      ['?.txt', 'é.txt', true],
+      ['[a-c]x', 'bx', true],
+      ['[!a-c]x', 'dx', true],
+      ['[!a-c]x', 'ax', false],
+      ['a[!x]b', 'a/b', false],
+      ['[]]', ']', true],
+      ['\\*.md', '*.md', true],
+      ['\\*.md', 'a.md', false],
+      ['}', '}', true],
+      ['a,b', 'a,b', true],
+      ['*', '', true],
+      ['**', 'x/y/z', true],
+      ['*a*a*a*a*a*a*a*a*a*a*a*a*c', 'a'.repeat(41), false],
+      ['*a*a*a*a*a*a*a*a*a*a*a*a*c', `${'a'.repeat(40)}c`, true],
+    ];
+    for (const [g, name, want] of cases) expect(compileGlob(g)(name), `${g} vs ${name}`).toBe(want);
+  });
 });
 
 describe('stat, mkdir, remove, move', () => {

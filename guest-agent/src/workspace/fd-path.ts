@@ -1,4 +1,5 @@
-import { closeSync, constants, lstatSync, mkdirSync, openSync, promises as fsp, readlinkSync, renameSync, rmdirSync, statfsSync, unlinkSync, type Stats } from 'node:fs';
+import { closeSync, constants, fstatSync, lstatSync, mkdirSync, openSync, promises as fsp, readFile, readlinkSync, readSync, renameSync, rmdirSync, statfsSync, unlinkSync, type Stats } from 'node:fs';
+import { promisify } from 'node:util';
 import { HutchError } from '../protocol/errors.ts';
 
 /**
@@ -102,6 +103,49 @@ export function renameAt(fromFd: number, from: Uint8Array, toFd: number, to: Uin
 /** Opens a file entry without following a final symlink (ELOOP if it is one). */
 export function openFileAt(dirFd: number, name: Uint8Array, flags: number, mode?: number): Promise<fsp.FileHandle> {
   return fsp.open(at(dirFd, name), flags | constants.O_NOFOLLOW, mode);
+}
+
+/** Below this size a file is read with synchronous calls: cheaper than two thread-pool round trips. */
+const SYNC_READ_MAX = 64 * 1024;
+const readFileFd = promisify(readFile) as (fd: number) => Promise<Buffer>;
+
+export type OpenedFile = { buf: Buffer; st: Stats };
+
+/**
+ * Reads a regular file entry: opened with O_NOFOLLOW|O_NONBLOCK (a symlink is refused, a
+ * FIFO cannot block), then `check` sees the fstat of what was actually opened before
+ * anything is read (and may throw). Small files are read synchronously (the 4 KiB read
+ * is the hot path of the in-process tools), larger ones on the thread pool.
+ */
+export async function readFileAt(dirFd: number, name: Uint8Array, check: (st: Stats) => void): Promise<OpenedFile> {
+  const fd = openSync(at(dirFd, name), constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK);
+  try {
+    const st = fstatSync(fd);
+    check(st);
+    if (st.size > SYNC_READ_MAX) return { buf: await readFileFd(fd), st };
+    // Read to EOF (one read more than fstat said, to see it): the file may have grown.
+    const chunks: Buffer[] = [];
+    let total = 0;
+    let buf = Buffer.allocUnsafe(st.size + 1);
+    let filled = 0;
+    for (;;) {
+      const n = readSync(fd, buf, filled, buf.length - filled, null);
+      if (n === 0) break;
+      filled += n;
+      if (filled === buf.length) {
+        chunks.push(buf);
+        total += filled;
+        // It grew past the small-file size: the rest goes through the thread pool.
+        if (total > SYNC_READ_MAX) return { buf: Buffer.concat([...chunks, await readFileFd(fd)]), st };
+        buf = Buffer.allocUnsafe(16 * 1024);
+        filled = 0;
+      }
+    }
+    chunks.push(buf.subarray(0, filled));
+    return { buf: chunks.length === 1 ? (chunks[0] as Buffer) : Buffer.concat(chunks), st };
+  } finally {
+    closeSync(fd);
+  }
 }
 
 /** Names in a held directory, raw bytes, with their d_type. */

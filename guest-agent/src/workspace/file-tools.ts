@@ -1,4 +1,4 @@
-import { constants, type Stats } from 'node:fs';
+import type { Stats } from 'node:fs';
 import type { z } from 'zod';
 import { HutchError, toHutchError } from '../protocol/errors.ts';
 import type {
@@ -16,7 +16,7 @@ import type {
 } from '../protocol/methods.ts';
 import { writeFileAtomic } from './atomic-write.ts';
 import type { ResolveOptions, Resolution, Workspace } from './confine.ts';
-import { lstatAt, openFileAt, readlinkAt, removeTreeAt, renameAt, rmdirAt, unlinkAt } from './fd-path.ts';
+import { lstatAt, readFileAt, readlinkAt, type OpenedFile, removeTreeAt, renameAt, rmdirAt, unlinkAt } from './fd-path.ts';
 import { compileGlob } from './glob-match.ts';
 import { nameFromBytes } from './names.ts';
 import { RegexSearch } from './regex-search.ts';
@@ -304,37 +304,34 @@ export class FileTools {
   }
 
   /** Reads a regular file without following a final symlink and without blocking on a FIFO. */
-  private async readRegular(r: Resolution, shown: string): Promise<{ buf: Buffer; st: Stats }> {
+  private async readRegular(r: Resolution, shown: string): Promise<OpenedFile> {
     if (!r.stat) throw new HutchError('not_found', `no such file: ${shown}`, { path: shown });
     if (r.stat.isDirectory()) throw new HutchError('is_a_directory', `${shown} is a directory`, { path: shown });
     if (!r.stat.isFile()) throw new HutchError('bad_request', `${shown} is not a regular file`, { path: shown });
-    const fh = await openFileAt(r.dirFd, r.name, constants.O_RDONLY | constants.O_NONBLOCK);
-    try {
-      const st = await fh.stat();
-      if (!st.isFile() || st.ino !== r.stat.ino) throw new HutchError('bad_request', `${shown} changed while being opened`, { path: shown });
+    const ino = r.stat.ino;
+    return readFileAt(r.dirFd, r.name, (st) => {
+      if (!st.isFile() || st.ino !== ino) throw new HutchError('bad_request', `${shown} changed while being opened`, { path: shown });
       if (st.size > this.maxFileBytes) {
         throw new HutchError('too_large', `${shown} is ${st.size} bytes, above the limit of ${this.maxFileBytes}`, { path: shown, bytes: st.size, limit: this.maxFileBytes });
       }
-      return { buf: await fh.readFile(), st };
-    } finally {
-      await fh.close();
-    }
+    });
   }
 
   /** A searchable file's content, or undefined for what grep skips (unreadable, special, too large, binary). */
   private async readForSearch(dirFd: number, name: Buffer): Promise<{ buf: Buffer; mtime: number } | undefined> {
-    const fh = await openFileAt(dirFd, name, constants.O_RDONLY | constants.O_NONBLOCK).catch(() => undefined);
-    if (!fh) return undefined;
+    let f: OpenedFile;
     try {
-      const st = await fh.stat();
-      if (!st.isFile() || st.size > this.maxFileBytes) return undefined;
-      const buf = await fh.readFile();
-      return looksBinary(buf) ? undefined : { buf, mtime: st.mtimeMs };
-    } finally {
-      await fh.close();
+      f = await readFileAt(dirFd, name, (st) => {
+        if (!st.isFile() || st.size > this.maxFileBytes) throw SKIP;
+      });
+    } catch {
+      return undefined; // vanished, swapped for a symlink, special or too large: skipped, as ripgrep does
     }
+    return looksBinary(f.buf) ? undefined : { buf: f.buf, mtime: f.st.mtimeMs };
   }
 }
+
+const SKIP = new Error('skip');
 
 /** A walked entry's path as the tenant names it (relative to the workspace, not the walk's start). */
 function childRel(base: Resolution, rel: string): string {
