@@ -23,7 +23,7 @@ import { join, relative, resolve } from 'node:path';
 import { parseArgs } from 'node:util';
 import { policyForLevel } from '../host-broker/src/policy/sandbox-policy.ts';
 import { emit, round } from './lib/report.ts';
-import { loadSessions, prepareWorkspace, PROJECTS_DIR, SESSIONS_DIR } from './lib/sessions.ts';
+import { benchCorpus, loadSessions, prepareWorkspace, EXAMPLE_PROJECTS, EXAMPLE_SESSIONS, PROJECTS_DIR, SESSIONS_DIR } from './lib/sessions.ts';
 import { measureBare } from './lib/tenants-bare.ts';
 import { headline, mergeResults, summaryTable, stepsTable, writeResults, type Results, type RunInfo } from './lib/tenants-output.ts';
 import { searchLevel, type LevelResult } from './lib/tenants-search.ts';
@@ -42,8 +42,10 @@ const HELP = `usage: npx tsx bench/tenants.ts [options]
   --time-compression F  think and away times divided by F (default 10 quick, 1 full)
   --budget-min M        wall-clock budget of the whole search, all levels (default 5 quick, 60 full)
   --seed S              workload seed (default 1)
-  --sessions DIR        recorded sessions (default ${SESSIONS_DIR})
-  --projects DIR        projects looked up here first, then in ${PROJECTS_DIR}
+  --sessions DIR        recorded sessions (default ${SESSIONS_DIR} when it exists;
+                        the repo's own small corpus is ${EXAMPLE_SESSIONS})
+  --projects DIR        projects looked up here first, then in ${PROJECTS_DIR} (when it exists)
+                        and ${EXAMPLE_PROJECTS}
   --session-count K     replay a seeded subset of K sessions (default 8 quick, all full)
   --bare-reps K         bare replays per session for the baseline, median per call (default 1 quick, 3 full)
   --render              only re-render tenants.md and tenants.svg from the tenants.json in --out (no run)
@@ -96,8 +98,15 @@ const budgetMin = num('budget-min', a['budget-min'], quick ? 5 : 60, 1);
 const seed = Math.floor(num('seed', a.seed, 1, 0));
 const bareReps = Math.floor(num('bare-reps', a['bare-reps'], quick ? 1 : 3, 1));
 const sessionCount = a['session-count'] !== undefined ? Math.floor(num('session-count', a['session-count'], 1, 1)) : quick ? 8 : Infinity;
-const sessionsDir = resolve(a.sessions ?? SESSIONS_DIR);
-const projectDirs = [...(a.projects ? [resolve(a.projects)] : []), PROJECTS_DIR];
+let corpus;
+try {
+  corpus = benchCorpus({ sessions: a.sessions, projects: a.projects });
+} catch (err) {
+  process.stderr.write(`tenants: ${(err as Error).message}\n`);
+  process.exit(2);
+}
+const sessionsDir = corpus.sessions;
+const projectDirs = corpus.projects;
 const outDir = a.out ? resolve(a.out) : quick ? undefined : resolve(import.meta.dirname, 'results');
 const levels = a.level.split(',').map((spec) => {
   const [name = '', cap] = spec.trim().split(':');

@@ -13,6 +13,7 @@ import { createHash } from "node:crypto";
 import { mkdir, open, readFile, rename, rm, stat } from "node:fs/promises";
 import { homedir } from "node:os";
 import path from "node:path";
+import { HutchError } from "../guest-agent/src/protocol/errors.ts";
 
 /** Root of the hutch cache: $HUTCH_CACHE, else ~/.cache/hutch. */
 export function cacheRoot(): string {
@@ -145,4 +146,12 @@ export async function withLock<T>(lockFile: string, fn: () => Promise<T>, log?: 
   } finally {
     await rm(lockFile, { force: true });
   }
+}
+
+/**
+ * A builder's answer to a cache miss when building is off (`hutch serve --no-build`):
+ * says what is missing and how to build it, instead of starting a long build.
+ */
+export function notCached(what: string, dir: string): never {
+  throw new HutchError("unavailable", `${what} is not in the cache (${dir}) and building is off (--no-build): run ./hutch setup to build it`, { dir });
 }

@@ -1,7 +1,8 @@
 /**
  * The main job, end to end on the embedded defaults: a real broker (qemu backend, level 4
  * policy) and real sandboxes driven through the SDK over WebSocket, the way a harness
- * drives them. Three agents work on copies of the `datespan` starter project at once:
+ * drives them. Three agents work at once on copies of the example workspaces in
+ * examples/projects (`invoicer`, Python; `slugkit`, Node; each ships with a failing test):
  *
  *   - file tools run in the broker on the host workspace ("inprocess"),
  *   - read-only shell runs in the bubblewrap fast path ("fastpath"),
@@ -19,7 +20,7 @@ import { parseArgs } from 'node:util';
 import { Hutch, type Sandbox } from 'hutch';
 import { createLogger } from '../guest-agent/src/log.ts';
 import { serve } from '../host-broker/src/cli.ts';
-import { prepareWorkspace } from '../bench/lib/sessions.ts';
+import { EXAMPLE_PROJECTS, prepareWorkspace } from '../bench/lib/sessions.ts';
 
 const { values } = parseArgs({ options: { sandboxes: { type: 'string', default: '3' }, keep: { type: 'boolean', default: false } } });
 const n = Number(values.sandboxes);
@@ -34,8 +35,12 @@ const url = `ws://127.0.0.1:${broker.port}`;
 const hutch = await Hutch.connect(url, { token });
 process.stdout.write(`broker ${url}, backend ${hutch.backend}, accelerator ${hutch.accel ?? 'n/a'}\n`);
 
-const project = join(dataDir, 'project');
-prepareWorkspace('datespan', project);
+/** What each agent does in its workspace: a file to read, a tree to grep, the test command. */
+const PROJECTS = [
+  { name: 'invoicer', read: 'invoicer/money.py', grep: 'grep -rn "def " invoicer | head -3', test: 'python3 -m unittest 2>&1 | tail -1' },
+  { name: 'slugkit', read: 'src/slug.js', grep: 'grep -rn "function" src | head -3', test: 'node --test 2>&1 | grep -E "^# (pass|fail)" | paste -sd " "' },
+] as const;
+for (const p of PROJECTS) prepareWorkspace(p.name, join(dataDir, 'projects', p.name), [EXAMPLE_PROJECTS]);
 
 function show(i: number, what: string, r: { route: string; reason: string; woke: boolean; timing: { totalMs: number; addedMs: number; wakeMs: number } }, extra = ''): void {
   const wake = r.woke ? ` woke in ${r.timing.wakeMs.toFixed(0)} ms` : '';
@@ -43,13 +48,14 @@ function show(i: number, what: string, r: { route: string; reason: string; woke:
 }
 
 async function agent(i: number): Promise<Sandbox> {
-  const sb = await hutch.create({ cpus: 1, memoryMiB: 512, workspace: { dir: project } });
-  const read = await sb.call('read', { filePath: 'datespan/parse.py', limit: 5 });
-  show(i, 'read datespan/parse.py', read);
-  const grep = await sb.run('grep -rn "def " datespan | head -3');
-  show(i, 'grep -rn "def " datespan', grep);
-  const tests = await sb.run('python3 -m unittest 2>&1 | tail -1', { timeoutMs: 600_000 });
-  show(i, 'python3 -m unittest', tests, `  -> ${tests.stdout.trim()} (datespan ships with one failing test)`);
+  const p = PROJECTS[i % PROJECTS.length] as (typeof PROJECTS)[number];
+  const sb = await hutch.create({ cpus: 1, memoryMiB: 512, workspace: { dir: join(dataDir, 'projects', p.name) } });
+  const read = await sb.files.read(p.read, { limit: 5 });
+  show(i, `read ${p.read}`, read);
+  const grep = await sb.run(p.grep);
+  show(i, p.grep.replace(/ \|.*$/, ''), grep);
+  const tests = await sb.run(p.test, { timeoutMs: 600_000 });
+  show(i, `${p.name}: ${p.test.replace(/ 2>&1.*$/, '')}`, tests, `  -> ${tests.stdout.trim()} (${p.name} ships with one failing test)`);
   return sb;
 }
 

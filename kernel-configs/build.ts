@@ -20,7 +20,7 @@ import { copyFile, mkdir, readFile, readdir, rm, writeFile } from "node:fs/promi
 import { availableParallelism } from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
-import { cacheDir, exists, fillAtomically, hashInputs, withLock } from "../build/cache.ts";
+import { cacheDir, exists, fillAtomically, hashInputs, notCached, withLock } from "../build/cache.ts";
 import { extractDeb, fetchDebianPackages } from "../build/debian-fetch.ts";
 import { ensureHostPackages } from "../build/host-apt.ts";
 import { capture, run, runAsScript } from "../build/run.ts";
@@ -70,6 +70,8 @@ export interface EnsureKernelOptions {
   jobs?: number;
   /** Progress lines; default: stderr with a [kernel] prefix. */
   log?: (message: string) => void;
+  /** Fail (notCached) on a cache miss instead of building. */
+  cachedOnly?: boolean;
 }
 
 const THIS_FILE = fileURLToPath(import.meta.url);
@@ -250,6 +252,7 @@ export async function ensureKernel(opts: EnsureKernelOptions = {}): Promise<Kern
     const hit = await readCached(dir);
     if (hit) return hit;
   }
+  if (opts.cachedOnly) notCached("the guest kernel", dir);
 
   await ensureHostPackages(BUILD_DEPS, log);
   const buildRoot = await cacheDir("kernel-build");

@@ -18,7 +18,7 @@ import { copyFile, mkdir, mkdtemp, readFile, readdir, rm, writeFile } from "node
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 import { ensureStaticBusybox } from "../build/busybox.ts";
-import { cacheDir, exists, fillAtomically, hashInputs } from "../build/cache.ts";
+import { cacheDir, exists, fillAtomically, hashInputs, notCached } from "../build/cache.ts";
 import { extractDeb, fetchDebianPackages, showPackage } from "../build/debian-fetch.ts";
 import { ensureHostPackages } from "../build/host-apt.ts";
 import { packInitramfs } from "../build/image-pack.ts";
@@ -181,7 +181,7 @@ async function imagePackageName(log: (m: string) => void): Promise<string> {
 }
 
 /** Debian's kernel + a generated initramfs, built once per package version. */
-export async function ensureDebianKernel(opts: { force?: boolean; log?: (m: string) => void } = {}): Promise<DebianKernel> {
+export async function ensureDebianKernel(opts: { force?: boolean; log?: (m: string) => void; cachedOnly?: boolean } = {}): Promise<DebianKernel> {
   const log = opts.log ?? ((m: string) => process.stderr.write(`[debian-kernel] ${m}\n`));
   const imageName = await imagePackageName(log);
   const [image] = await fetchDebianPackages({ suite: DEBIAN_KERNEL_SUITE, log }, [imageName]);
@@ -194,6 +194,7 @@ export async function ensureDebianKernel(opts: { force?: boolean; log?: (m: stri
   if (!opts.force && (await exists(buildJson))) {
     return { ...(JSON.parse(await readFile(buildJson, "utf8")) as DebianKernel), cached: true };
   }
+  if (opts.cachedOnly) notCached("the Debian guest kernel", dir);
   await ensureHostPackages(["xz-utils", "cpio", "gzip"], log);
 
   const work = await mkdtemp(path.join(await cacheDir("kernel-debian"), ".work-"));

@@ -11,7 +11,7 @@
 import { mkdir, readFile, rm, writeFile, copyFile, chmod } from "node:fs/promises";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
-import { cacheDir, cacheRoot, exists, fillAtomically, hashInputs, withLock } from "../build/cache.ts";
+import { cacheDir, cacheRoot, exists, fillAtomically, hashInputs, notCached, withLock } from "../build/cache.ts";
 import { ensureHostPackages } from "../build/host-apt.ts";
 import { capture, run } from "../build/run.ts";
 import { assertNoMountsUnder, runInChroot, unmountAllUnder } from "./chroot.ts";
@@ -56,6 +56,8 @@ export interface BaseTree {
 export interface EnsureBaseOptions {
   force?: boolean;
   log?: LogFn;
+  /** Fail (notCached) on a cache miss instead of building. */
+  cachedOnly?: boolean;
 }
 
 /** The cache key of the base tree (also used as part of the image's key). */
@@ -171,6 +173,7 @@ export async function ensureBase(opts: EnsureBaseOptions = {}): Promise<BaseTree
     const hit = await readCached(dir);
     if (hit) return hit;
   }
+  if (opts.cachedOnly) notCached("the guest rootfs base", dir);
   await ensureHostPackages(["debootstrap", "debian-archive-keyring"], log);
   return withLock(
     path.join(cacheRoot(), "rootfs-base", `${hash}.lock`),

@@ -14,7 +14,7 @@ import path from "node:path";
 import { fileURLToPath } from "node:url";
 import { buildAgent } from "../guest-agent/build.ts";
 import { buildNativeHelpers } from "../guest-agent/native/build.ts";
-import { cacheDir, cacheRoot, exists, fillAtomically, hashInputs, withLock } from "../build/cache.ts";
+import { cacheDir, cacheRoot, exists, fillAtomically, hashInputs, notCached, withLock } from "../build/cache.ts";
 import { ensureHostPackages } from "../build/host-apt.ts";
 import { ensureBase, type BaseInfo } from "./base.ts";
 import { makeReproducibleExt4 } from "./ext4.ts";
@@ -40,6 +40,8 @@ export interface RootfsOptions {
   /** Rebuild the base tree too. */
   forceBase?: boolean;
   log?: LogFn;
+  /** Fail (notCached) on a cache miss instead of building. */
+  cachedOnly?: boolean;
 }
 
 /** What rootfs.json records next to the image. */
@@ -142,7 +144,7 @@ async function readCached(dir: string): Promise<RootfsInfo | undefined> {
 export async function ensureRootfs(opts: RootfsOptions = {}): Promise<RootfsImage> {
   const log = opts.log ?? defaultLog;
   if (process.getuid?.() !== 0) throw new Error("building the guest rootfs needs root (chroot, device nodes, file ownership)");
-  const base = await ensureBase({ force: opts.forceBase, log });
+  const base = await ensureBase({ force: opts.forceBase, log, ...(opts.cachedOnly ? { cachedOnly: true } : {}) });
   if (!base.cached) log(`base: built in ${fmtSeconds(base.info.buildSeconds)} (${fmtBytes(base.info.sizeBytes)})`);
 
   // The agent is bundled fresh every time (about a second): its sha256 is part of the key.
@@ -168,6 +170,7 @@ export async function ensureRootfs(opts: RootfsOptions = {}): Promise<RootfsImag
       const hit = await readCached(dir);
       if (hit) return toResult(dir, hit, base, true);
     }
+    if (opts.cachedOnly) notCached("the guest rootfs image for this agent", dir);
     await ensureHostPackages(["e2fsprogs", "tar", "findutils"], log);
     return await withLock(
       path.join(cacheRoot(), "rootfs", `${hash}.lock`),

@@ -10,7 +10,7 @@ import { loadSessions, prepareWorkspace, replayBare, replayCall, treeDigest } fr
 import { startBroker, type TestBroker } from './helpers/broker.ts';
 
 /** End to end through the SDK and WebSocket with real VMs (qemu backend, TCG here). */
-describe('sandbox lifecycle with real VMs', () => {
+describe('sandbox lifecycle with real VMs', { tags: ['vm'] }, () => {
   let b: TestBroker;
   let hutch: Hutch;
   beforeAll(async () => {
@@ -22,10 +22,12 @@ describe('sandbox lifecycle with real VMs', () => {
     expect(qemuPids(b.dataDir)).toEqual([]);
   });
 
-  for (const id of ['ds-fix-failing-test', 'tk-truncate-length-bug', 'ob-rotate-off-by-one']) {
+  // The repo's own recorded sessions (examples/sessions): a Python fix, a Node fix, and a
+  // commit after `git config --global` (state outside the workspace).
+  for (const id of ['inv-fix-split', 'slug-fix-dashes', 'inv-add-cli-flag-commit']) {
     it(`replays ${id} like a bare host run: same exit codes, same final tree`, async () => {
       const s = loadSessions().find((x) => x.id === id);
-      if (!s) throw new Error(`session ${id} missing from ../shared/bench`);
+      if (!s) throw new Error(`session ${id} missing from examples/sessions`);
       const base = mkdtempSync(join(tmpdir(), 'hutch-replay-'));
       prepareWorkspace(s.project, join(base, 'bare'));
       prepareWorkspace(s.project, join(base, 'src'));
@@ -98,7 +100,7 @@ describe('sandbox lifecycle with real VMs', () => {
   });
 });
 
-describe('broker restart', () => {
+describe('broker restart', { tags: ['vm'] }, () => {
   it('a broker killed with live VMs leaves no VM or snapshot file behind once restarted', async () => {
     const dataDir = mkdtempSync(join(tmpdir(), 'hutch-restart-'));
     const token = randomBytes(8).toString('hex');

@@ -65,7 +65,7 @@ describe('memory manager arithmetic', () => {
   });
 });
 
-describe('guest memory manager (real QEMU)', () => {
+describe('guest memory manager (real QEMU)', { tags: ['vm'] }, () => {
   let dataDir: string;
   let backend: QemuBackend;
   let vm: Vm;

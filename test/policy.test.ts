@@ -76,7 +76,7 @@ describe('policy presets and flags', () => {
 });
 
 /** The published levels run for real: they are the density bench's baselines. */
-describe('levels with real VMs', () => {
+describe('levels with real VMs', { tags: ['vm'] }, () => {
   const brokers: TestBroker[] = [];
   afterAll(async () => {
     for (const b of brokers) await b.stop();
@@ -86,8 +86,8 @@ describe('levels with real VMs', () => {
     const b = await startBroker({ backend: 'qemu', policy: policyForLevel('3') });
     brokers.push(b);
     const hutch = await b.connect();
-    const s = loadSessions().find((x) => x.id === 'ob-rotate-off-by-one');
-    if (!s) throw new Error('session ob-rotate-off-by-one missing from ../shared/bench');
+    const s = loadSessions().find((x) => x.id === 'inv-fix-split');
+    if (!s) throw new Error('session inv-fix-split missing from examples/sessions');
     const dir = mkdtempSync(join(tmpdir(), 'hutch-level3-'));
     prepareWorkspace(s.project, join(dir, 'bare'));
     prepareWorkspace(s.project, join(dir, 'src'));

@@ -29,7 +29,7 @@ function missingPrerequisite(): string | undefined {
 const missing = missingPrerequisite();
 if (missing) console.warn(`SKIPPING test/rootfs.test.ts: ${missing}`);
 
-describe.skipIf(missing !== undefined)('guest rootfs booted under QEMU (TCG)', () => {
+describe.skipIf(missing !== undefined)('guest rootfs booted under QEMU (TCG)', { tags: ['vm'] }, () => {
   let rootfs: RootfsImage;
   let kernel: GuestKernel;
   let vm: BootedVm | undefined;

@@ -1,15 +1,12 @@
 /**
- * Every bash call of the recorded agent sessions (../shared/bench/sessions), routed with
- * the real parser and the real host probe, against the classification in
- * ../shared/bench/README.md ("Call mix"): heavy calls and plain shell outside the workspace
- * must go to the VM, with no exception; file-level bash calls should reach the fast path.
+ * Every bash call of the repo's recorded sessions (examples/sessions), routed with the
+ * real parser and the real host probe, against the classification in
+ * examples/sessions/README.md: heavy calls and plain shell outside the workspace must go
+ * to the VM, with no exception; file-level bash calls should reach the fast path.
  */
-import { readdirSync, readFileSync } from 'node:fs';
-import { fileURLToPath } from 'node:url';
 import { beforeAll, describe, expect, it } from 'vitest';
 import { initRouter, routeCommand } from '../host-broker/src/router/index.ts';
-
-const sessionsDir = fileURLToPath(new URL('../../shared/bench/sessions/', import.meta.url));
+import { loadSessions as loadRecorded } from '../bench/lib/sessions.ts';
 
 interface Call {
   session: string;
@@ -21,28 +18,22 @@ interface Call {
 
 function loadSessions(): Map<string, Call[]> {
   const out = new Map<string, Call[]>();
-  for (const f of readdirSync(sessionsDir).filter((n) => n.endsWith('.jsonl')).sort()) {
-    const lines = readFileSync(sessionsDir + f, 'utf8').split('\n').filter(Boolean);
-    const header = JSON.parse(lines[0] as string) as { session: string };
+  for (const s of loadRecorded()) {
     out.set(
-      header.session,
-      lines.slice(1).map((l, i) => {
-        const c = JSON.parse(l) as { tool: string; args: { command?: string } };
-        return { session: header.session, n: i + 1, tool: c.tool, command: c.args.command ?? '' };
-      }),
+      s.id,
+      s.calls.map((c, i) => ({ session: s.id, n: i + 1, tool: c.tool, command: typeof c.args['command'] === 'string' ? c.args['command'] : '' })),
     );
   }
   return out;
 }
 
-/** README "State outside the workspace": calls that change HOME, and what they change. */
+/** README: calls that change HOME, and what they change. */
 const CHANGES_HOME = new Map<string, string[]>([
-  ['ds-week-durations-commit#14', ['.gitconfig']],
-  ['ob-make-lint-target#1', ['.gitconfig']],
-  ['sr-profile-report#3', ['.cache/salesreport/report.prof']],
+  ['inv-add-cli-flag-commit#7', ['.gitconfig']],
+  ['slug-fix-dashes#7', ['.cache/slugkit/last.txt']],
 ]);
-/** README "plain shell outside the workspace": the two `git config --global` calls. */
-const OUTSIDE = new Set(['ds-week-durations-commit#14', 'ob-make-lint-target#1']);
+/** README "outside the workspace": the `git config --global` call. */
+const OUTSIDE = new Set(['inv-add-cli-flag-commit#7']);
 
 /**
  * The README's rule, applied to the text as the README states it: heavy when any segment
@@ -67,13 +58,13 @@ beforeAll(async () => {
 
 describe('recorded sessions', () => {
   it('reproduces the README call mix', () => {
-    expect(sessions.size).toBe(26);
-    expect(all.length).toBe(310);
-    expect(bash.length).toBe(100);
+    expect(sessions.size).toBe(3);
+    expect(all.length).toBe(27);
+    expect(bash.length).toBe(15);
     const classes = bash.map(readmeClass);
-    expect(classes.filter((k) => k === 'heavy').length).toBe(80);
-    expect(classes.filter((k) => k === 'outside').length).toBe(2);
-    expect(classes.filter((k) => k === 'file').length).toBe(18);
+    expect(classes.filter((k) => k === 'heavy').length).toBe(8);
+    expect(classes.filter((k) => k === 'outside').length).toBe(1);
+    expect(classes.filter((k) => k === 'file').length).toBe(6);
   });
 
   it('sends every heavy call and every call outside the workspace to the VM', () => {
@@ -85,7 +76,7 @@ describe('recorded sessions', () => {
     expect(wrong).toEqual([]);
   });
 
-  it('routes all 18 file-level bash calls to the fast path', () => {
+  it('routes all 6 file-level bash calls to the fast path', () => {
     const file = bash.filter((c) => readmeClass(c) === 'file');
     const missed = file
       .map((c) => ({ c, d: routeCommand(c.command) }))
@@ -93,7 +84,7 @@ describe('recorded sessions', () => {
       .map(({ c, d }) => `${c.session}#${c.n}: ${c.command} -> ${d.reason}`);
     expect(missed).toEqual([]);
     const onFastPath = file.length - missed.length;
-    expect(onFastPath).toBeGreaterThanOrEqual(18);
+    expect(onFastPath).toBe(6);
   });
 
   /** Replays each session in order, telling the router what HOME changes the VM has seen. */
@@ -118,16 +109,17 @@ describe('recorded sessions', () => {
   it('replayed in order, sends git to the VM once ~/.gitconfig changed there', () => {
     // The broker learns from the guest which HOME files changed; here the README says.
     const { fast, exceptions } = replay((changed) => [...changed]);
-    // Both are git after `git config --global ...`: ~/.gitconfig (safe.directory, identity)
-    // now exists only in the VM and can change what git prints or whether it runs at all.
-    expect(exceptions).toEqual(['ds-week-durations-commit#16 home', 'ob-make-lint-target#11 home']);
-    expect(fast).toBe(16);
+    // git after `git config --global ...`: ~/.gitconfig (identity) now exists only in the
+    // VM and can change what git prints or whether it runs at all. A file under ~/.cache
+    // does not concern git, so slug-fix-dashes#8 (`git diff`) stays on the fast path.
+    expect(exceptions).toEqual(['inv-add-cli-flag-commit#9 home']);
+    expect(fast).toBe(5);
   });
 
   it('replayed in order, sends git to the VM after any HOME change when the broker cannot say what changed', () => {
     const { fast, exceptions } = replay((changed) => changed.length > 0);
-    expect(exceptions).toEqual(['ds-week-durations-commit#16 home', 'ob-make-lint-target#11 home', 'sr-profile-report#12 home']);
-    expect(fast).toBe(15);
+    expect(exceptions).toEqual(['inv-add-cli-flag-commit#9 home', 'slug-fix-dashes#8 home']);
+    expect(fast).toBe(4);
   });
 
   it('explains every decision in one short sentence', () => {

@@ -32,7 +32,7 @@ describe('guest telemetry metrics', () => {
 });
 
 /** Real VM: the agent samples its guest; the broker exports it on /metrics and as a WebSocket subscription. */
-describe('telemetry from a real VM', () => {
+describe('telemetry from a real VM', { tags: ['vm'] }, () => {
   let b: TestBroker;
   let hutch: Hutch;
   beforeAll(async () => {

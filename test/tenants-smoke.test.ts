@@ -6,12 +6,12 @@ const run = promisify(execFile);
 
 /**
  * CI smoke of the density bench: the quick run (a real broker, real VMs, real WebSocket
- * tenants replaying recorded sessions, compressed time) must finish with every call
- * matching its recorded outcome. Latency is the bench's business, not this test's.
+ * tenants replaying the repo's own recorded sessions, compressed time) must finish with
+ * every call matching its recorded outcome. Latency is the bench's business, not this test's.
  */
-describe('bench/tenants.ts --quick', () => {
+describe('bench/tenants.ts --quick', { tags: ['vm'] }, () => {
   it('replays tenants through a real broker with no errors and reports the agreed keys', async () => {
-    const { stdout, stderr } = await run(process.execPath, ['--import', 'tsx', 'bench/tenants.ts', '--quick', '--json'], { timeout: 420_000, maxBuffer: 64 * 1024 * 1024 });
+    const { stdout, stderr } = await run(process.execPath, ['--import', 'tsx', 'bench/tenants.ts', '--quick', '--json', '--sessions', 'examples/sessions', '--projects', 'examples/projects'], { timeout: 420_000, maxBuffer: 64 * 1024 * 1024 });
     const last = stdout.trim().split('\n').at(-1) ?? '';
     let summary: Record<string, unknown>;
     try {

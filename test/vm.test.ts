@@ -50,7 +50,7 @@ function guestRamMapping(pid: number, memoryFile: string): { rssKiB: number; pri
   return { rssKiB: rss, privateKiB: priv };
 }
 
-describe('guest image and microVMs (real QEMU)', () => {
+describe('guest image and microVMs (real QEMU)', { tags: ['vm'] }, () => {
   let dataDir: string;
   let backend: QemuBackend;
 

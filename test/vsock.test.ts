@@ -153,7 +153,7 @@ async function waitForNoProcesses(needle: string, ms = 5_000): Promise<Array<{ p
   }
 }
 
-describe.skipIf(pre.missing !== undefined)('guest agent over hybrid vsock (QEMU vhost-user-vsock-device + vhost-device-vsock)', () => {
+describe.skipIf(pre.missing !== undefined)('guest agent over hybrid vsock (QEMU vhost-user-vsock-device + vhost-device-vsock)', { tags: ['vm'] }, () => {
   let runDir: string;
   let image: ResolvedGuestImage;
   let driver: QemuDriver;

@@ -1,6 +1,10 @@
 /**
- * Recorded agent sessions (../shared/bench, format in its README): loading, workspace
- * preparation, and replays either bare on the host (the baseline) or through hutch.
+ * Recorded agent sessions: loading, workspace preparation, and replays either bare on the
+ * host (the baseline) or through hutch. A corpus is a directory of `<id>.jsonl` sessions
+ * (line 1 `{session, project, task}`, then one `{think_s, tool, args, expect?}` per call)
+ * and a directory of projects, each the initial content of a workspace. The repo carries a
+ * small one (examples/sessions, examples/projects) for the demo and the tests; the benches
+ * take a bigger one by path.
  */
 import { createHash } from 'node:crypto';
 import { chmodSync, cpSync, existsSync, mkdirSync, readdirSync, readFileSync, lstatSync, readlinkSync } from 'node:fs';
@@ -17,9 +21,37 @@ import { walk } from '../../guest-agent/src/workspace/walk.ts';
 import type { Sandbox } from '../../host-broker/src/sdk/index.ts';
 
 const here = dirname(fileURLToPath(import.meta.url));
+/** The project's own small corpus, in the repo: what the demo and the tests replay. */
+export const EXAMPLE_SESSIONS = resolve(here, '../../examples/sessions');
+export const EXAMPLE_PROJECTS = resolve(here, '../../examples/projects');
+/** The benchmark corpus the benches default to when a checkout has it beside it. */
 export const SHARED_BENCH = resolve(here, '../../../shared/bench');
 export const SESSIONS_DIR = join(SHARED_BENCH, 'sessions');
 export const PROJECTS_DIR = join(SHARED_BENCH, 'projects');
+
+export interface Corpus {
+  sessions: string;
+  /** Looked up in order. */
+  projects: string[];
+}
+
+/**
+ * The corpus a bench replays: `--sessions DIR` / `--projects DIR` when given, else the
+ * benchmark corpus beside the checkout when it exists, else an error naming both flags.
+ */
+export function benchCorpus(o: { sessions?: string | undefined; projects?: string | undefined }): Corpus {
+  const defaults = existsSync(SESSIONS_DIR) && existsSync(PROJECTS_DIR);
+  if (o.sessions === undefined && !defaults) {
+    throw new Error(
+      `no session corpus: pass --sessions DIR --projects DIR (JSON Lines sessions and their starter projects; ` +
+        `the repo's own small corpus is --sessions ${EXAMPLE_SESSIONS} --projects ${EXAMPLE_PROJECTS})`,
+    );
+  }
+  const sessions = resolve(o.sessions ?? SESSIONS_DIR);
+  if (!existsSync(sessions)) throw new Error(`--sessions ${sessions}: no such directory`);
+  const projects = [...(o.projects !== undefined ? [resolve(o.projects)] : []), ...(defaults ? [PROJECTS_DIR] : []), EXAMPLE_PROJECTS];
+  return { sessions, projects };
+}
 
 const HeaderSchema = z.object({ session: z.string(), project: z.string(), task: z.string() });
 const CallSchema = z.object({
@@ -42,7 +74,8 @@ export function loadSession(file: string): RecordedSession {
   return { id: header.session, project: header.project, task: header.task, calls: lines.slice(1).map((l) => CallSchema.parse(JSON.parse(l))) };
 }
 
-export function loadSessions(dir = SESSIONS_DIR): RecordedSession[] {
+/** Every session in `dir` (default: the repo's own corpus), sorted by file name. */
+export function loadSessions(dir = EXAMPLE_SESSIONS): RecordedSession[] {
   return readdirSync(dir)
     .filter((f) => f.endsWith('.jsonl'))
     .sort()
@@ -50,9 +83,9 @@ export function loadSessions(dir = SESSIONS_DIR): RecordedSession[] {
 }
 
 /** Copies the session's project (looked up in `projectDirs` in order) and makes it a one-commit git repository. */
-export function prepareWorkspace(project: string, dest: string, projectDirs: string[] = [PROJECTS_DIR]): void {
+export function prepareWorkspace(project: string, dest: string, projectDirs: string[] = [EXAMPLE_PROJECTS, PROJECTS_DIR]): void {
   const src = projectDirs.map((d) => join(d, project)).find((p) => existsSync(p));
-  if (!src) throw new Error(`project ${project} not found in ${projectDirs.join(', ')}`);
+  if (!src) throw new Error(`project ${project} not found in ${projectDirs.join(', ')} (a bench takes its corpus with --sessions DIR --projects DIR)`);
   mkdirSync(dest, { recursive: true });
   cpSync(src, dest, { recursive: true, verbatimSymlinks: true });
   // The shared projects are read-only on disk; a workspace is the agent's to edit.

@@ -3,6 +3,7 @@
  * hutch command line: `hutch serve` runs the broker.
  */
 import { parseArgs } from 'node:util';
+import { closeSync, realpathSync, writeSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
 import { homedir } from 'node:os';
 import { join } from 'node:path';
@@ -32,6 +33,9 @@ serve options:
   --idle-ms N       release a VM after N ms without a VM call (overrides the level; 0 = never)
   --idle-policy P   auto | kill | snapshot | reclaim (overrides the level)
   --log-level L     debug | info | warn | error (default info)
+  --no-build        use the cached guest image only: fail clearly instead of building it
+  --ready-fd N      when listening, write one JSON line {"url","port",...} to file descriptor N and close it
+  --ready-json      print that JSON line on stdout instead of the human-readable line
   -h, --help        this text
 `;
 
@@ -43,11 +47,13 @@ export interface ServeOptions {
   backend?: string;
   policy?: Partial<SandboxPolicy>;
   log: Logger;
+  /** Use the cached guest image only (fail with `unavailable` when it is missing). */
+  noBuild?: boolean;
 }
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
 export async function serve(o: ServeOptions): Promise<Broker> {
-  const backend = await createBackend(o.backend, { log: o.log, dataDir: o.dataDir });
+  const backend = await createBackend(o.backend, { log: o.log, dataDir: o.dataDir, ...(o.noBuild ? { noBuild: true } : {}) });
   const fastPath = await createFastPath(o.log);
   const broker = new Broker({ port: o.port, host: o.host, token: o.token, dataDir: o.dataDir, backend, fastPath, log: o.log, ...(o.policy ? { policy: o.policy } : {}) });
   await broker.start();
@@ -109,6 +115,9 @@ async function main(): Promise<void> {
       'idle-ms': { type: 'string' },
       'idle-policy': { type: 'string' },
       'log-level': { type: 'string' },
+      'no-build': { type: 'boolean', default: false },
+      'ready-fd': { type: 'string' },
+      'ready-json': { type: 'boolean', default: false },
       help: { type: 'boolean', short: 'h' },
     },
   });
@@ -125,10 +134,18 @@ async function main(): Promise<void> {
     token,
     dataDir,
     ...(values.backend ? { backend: values.backend } : {}),
+    ...(values['no-build'] ? { noBuild: true } : {}),
     policy: policyFromFlags(values.level, values['idle-ms'], values['idle-policy']),
     log,
   });
-  process.stdout.write(`hutch broker on ws://${values.host}:${broker.port}  token ${values.token || process.env['HUTCH_TOKEN'] ? '(as given)' : token}  data ${dataDir}\n`);
+  const tokenGiven = Boolean(values.token || process.env['HUTCH_TOKEN']);
+  const url = `ws://${values.host}:${broker.port}`;
+  // For a supervisor: one line of JSON once the port is open (a generated token is in it,
+  // since nothing else could tell it to the harness; a given one is not repeated).
+  const ready = `${JSON.stringify({ url, port: broker.port, host: values.host, dataDir, ...(tokenGiven ? {} : { token }) })}\n`;
+  if (values['ready-fd'] !== undefined) writeReadyFd(values['ready-fd'], ready);
+  if (values['ready-json']) process.stdout.write(ready);
+  else process.stdout.write(`hutch broker on ${url}  token ${tokenGiven ? '(as given)' : token}  data ${dataDir}\n`);
   let stopping = false;
   const stop = async (sig: string) => {
     if (stopping) return;
@@ -141,7 +158,28 @@ async function main(): Promise<void> {
   process.on('SIGTERM', () => void stop('SIGTERM'));
 }
 
-if (process.argv[1] && /cli\.(ts|js|mjs)$/.test(process.argv[1])) {
+/** Writes the ready line to an inherited descriptor and closes it, so a reader sees EOF. */
+function writeReadyFd(spec: string, line: string): void {
+  const fd = Number(spec);
+  if (!Number.isInteger(fd) || fd < 3) throw new HutchError('bad_request', `--ready-fd must be an open file descriptor number >= 3, got ${JSON.stringify(spec)}`);
+  try {
+    writeSync(fd, line);
+    closeSync(fd);
+  } catch (err) {
+    throw new HutchError('bad_request', `--ready-fd ${fd}: ${(err as Error).message}`);
+  }
+}
+
+// Run when executed, not when imported (the demo and benches import serve()): as
+// host-broker/src/cli.ts under tsx, or as the package's bin (a symlink to dist/cli.js).
+function invokedPath(): string {
+  try {
+    return realpathSync(process.argv[1] ?? '');
+  } catch {
+    return '';
+  }
+}
+if (/cli\.(ts|js|mjs)$/.test(invokedPath())) {
   main().catch((err: unknown) => {
     const e = err instanceof HutchError ? err : new HutchError('internal', (err as Error).message);
     process.stderr.write(`hutch: ${e.code}: ${e.message}\n`);

@@ -15,6 +15,8 @@ export interface BackendDeps {
   /** ~/.cache/hutch: kernel, rootfs, snapshots (env HUTCH_CACHE). */
   cacheDir?: string;
   kernel?: KernelChoice;
+  /** Use the cached guest image only: a missing one is an `unavailable` error, not a build. */
+  noBuild?: boolean;
 }
 
 /** ~/.cache/hutch (or $HUTCH_CACHE): kernel, rootfs, snapshots. */
@@ -38,7 +40,7 @@ export async function createBackend(name: string | undefined, deps: BackendDeps)
   switch (n) {
     case 'qemu':
       if (!qemuAvailable()) throw new HutchError('unavailable', 'the qemu backend needs qemu-system-x86_64 (./hutch setup installs it)');
-      return QemuBackend.create({ dataDir: deps.dataDir, cacheDir: deps.cacheDir ?? cacheDir(), log: deps.log, ...(deps.kernel ? { kernel: deps.kernel } : {}) });
+      return QemuBackend.create({ dataDir: deps.dataDir, cacheDir: deps.cacheDir ?? cacheDir(), log: deps.log, ...(deps.kernel ? { kernel: deps.kernel } : {}), ...(deps.noBuild ? { noBuild: true } : {}) });
     case 'local':
       deps.log.warn('backend.local', { note: 'the local backend is not isolation-equivalent to a microVM', chosen: name ? 'by request' : 'QEMU is not installed' });
       return new LocalBackend(deps.log);

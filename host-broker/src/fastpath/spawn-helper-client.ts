@@ -4,6 +4,7 @@
  * backpressure, and restarts it if it dies (runs in flight then fail with `internal`).
  */
 import { fork, type ChildProcess } from 'node:child_process';
+import { existsSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import type { Logger } from '../../../guest-agent/src/log.ts';
@@ -193,11 +194,13 @@ function send(inc: Incarnation, m: ToHelper): boolean {
 
 /** Forks the helper with a small, fixed set of Node flags (not the broker's own). */
 async function launch(): Promise<{ child: ChildProcess; pid: number }> {
-  const entry = fileURLToPath(new URL('./spawn-helper-main.ts', import.meta.url));
-  // The helper is TypeScript like the rest of the broker: load it through tsx's ESM loader.
-  const tsx = pathToFileURL(createRequire(import.meta.url).resolve('tsx')).href;
+  // In the npm package the helper is compiled next to the bundled broker (dist/) and runs
+  // on plain Node; from the sources it is TypeScript, loaded through tsx's ESM loader.
+  const compiled = fileURLToPath(new URL('./spawn-helper-main.js', import.meta.url));
+  const entry = existsSync(compiled) ? compiled : fileURLToPath(new URL('./spawn-helper-main.ts', import.meta.url));
+  const loader = entry.endsWith('.ts') ? ['--import', pathToFileURL(createRequire(import.meta.url).resolve('tsx')).href] : [];
   const child = fork(entry, [], {
-    execArgv: ['--import', tsx, '--max-semi-space-size=1'],
+    execArgv: [...loader, '--max-semi-space-size=1'],
     serialization: 'advanced',
     stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
     env: { PATH: process.env['PATH'] ?? '/usr/bin:/bin', HUTCH_LOG_LEVEL: process.env['HUTCH_LOG_LEVEL'] ?? 'info' },

@@ -58,20 +58,32 @@ export interface RunOptions {
   signal?: AbortSignal;
 }
 
-export interface RunResult {
+/** Where a call ran, why, and what it cost: part of every `sb.run` and `sb.files.*` result. */
+export interface CallInfo {
+  /** Where it ran (`inprocess`, `fastpath`, `vm`) and the router's reason. */
+  route: Route;
+  reason: string;
+  /** Latency hutch added (broker time minus the tool's own run time). */
+  addedMs: number;
+  /** True when this call woke (restored or booted) the sandbox's VM. */
+  woke: boolean;
+  timing: CallResult['timing'];
+}
+
+export interface RunResult extends CallInfo {
   exitCode: number | null;
   signal: string | null;
   timedOut: boolean;
   stdout: string;
   stderr: string;
   truncated: boolean;
-  /** Where it ran and why. */
-  route: Route;
-  reason: string;
-  /** Latency hutch added (broker time minus the command's own run time). */
-  addedMs: number;
-  woke: boolean;
-  timing: CallResult['timing'];
+}
+
+/** A file tool's result (e.g. `content` of a read, `matches` of a grep) with its {@link CallInfo}. */
+export type FileResult<M extends MethodName> = ResultOf<M> & CallInfo;
+
+function callInfo(r: CallResult): CallInfo {
+  return { route: r.route, reason: r.reason, addedMs: r.timing.addedMs, woke: r.woke, timing: r.timing };
 }
 
 interface Pending {
@@ -216,7 +228,7 @@ export class Sandbox {
     this.id = info.session;
   }
 
-  /** opencode's file tools on this sandbox's workspace; each resolves to the tool's result. */
+  /** opencode's file tools on this sandbox's workspace; each resolves to the tool's result plus route, reason and timings. */
   readonly files = {
     read: (filePath: string, o: { offset?: number; limit?: number } = {}) => this.tool<'fs.read'>('read', { filePath, ...o }),
     write: (filePath: string, content: string | Uint8Array) => this.tool<'fs.write'>('write', { filePath, content }),
@@ -245,7 +257,7 @@ export class Sandbox {
     };
     const r = CallResultSchema.parse(await this.hutch.request('call', { session: this.id, tool: 'bash', args, stream: streaming }, streaming ? onOut : undefined, o.signal));
     const b = BashResultSchema.parse(r.result);
-    return { ...b, route: r.route, reason: r.reason, addedMs: r.timing.addedMs, woke: r.woke, timing: r.timing };
+    return { ...b, ...callInfo(r) };
   }
 
   /** Any tool call with opencode's argument names (what recorded sessions contain). */
@@ -265,7 +277,8 @@ export class Sandbox {
     return (await this.hutch.request('close', { session: this.id, ...o })) as { workspace?: string };
   }
 
-  private async tool<M extends MethodName>(tool: ToolName, args: Record<string, unknown>): Promise<ResultOf<M>> {
-    return (await this.call(tool, args)).result as ResultOf<M>;
+  private async tool<M extends MethodName>(tool: ToolName, args: Record<string, unknown>): Promise<FileResult<M>> {
+    const r = await this.call(tool, args);
+    return { ...(r.result as ResultOf<M>), ...callInfo(r) };
   }
 }

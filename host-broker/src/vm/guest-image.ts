@@ -20,11 +20,13 @@ export interface ResolvedGuestImage extends GuestImage {
  * is our own kernel (drivers built in, idle page tracking, PVH entry); `debian` is the
  * packaged kernel with a generated initramfs, lacking idle page tracking.
  */
-export async function ensureGuestImage(opts: { kernel?: KernelChoice; log?: (m: string) => void } = {}): Promise<ResolvedGuestImage> {
+export async function ensureGuestImage(opts: { kernel?: KernelChoice; log?: (m: string) => void; noBuild?: boolean } = {}): Promise<ResolvedGuestImage> {
   const log = opts.log ?? ((m: string) => process.stderr.write(`[guest] ${m}\n`));
-  const rootfs = await ensureRootfs({ log });
+  // --no-build: each builder answers a cache miss with `unavailable` instead of building.
+  const cachedOnly = opts.noBuild ? { cachedOnly: true } : {};
+  const rootfs = await ensureRootfs({ log, ...cachedOnly });
   if ((opts.kernel ?? 'hutch') === 'debian') {
-    const d = await ensureDebianKernel({ log });
+    const d = await ensureDebianKernel({ log, ...cachedOnly });
     return {
       kernel: d.vmlinuz,
       initrd: d.initrd,
@@ -35,7 +37,7 @@ export async function ensureGuestImage(opts: { kernel?: KernelChoice; log?: (m: 
       built: { kernelSeconds: 0, rootfsSeconds: rootfs.cached ? 0 : rootfs.buildSeconds },
     };
   }
-  const k = await ensureKernel({ log });
+  const k = await ensureKernel({ log, ...cachedOnly });
   return {
     kernel: k.vmlinux,
     flavor: 'hutch',
