@@ -7,6 +7,8 @@ import type { SandboxIdentity } from './sandbox-etc.ts';
 
 /** Where the workspace appears inside, as in the VM. */
 export const SANDBOX_WORKSPACE = '/work';
+/** Where a persistent home (the unsafe-local backend's) appears inside, as in the VM. */
+export const SANDBOX_HOME = '/home/tenant';
 /** bwrap reads the BPF program from this inherited descriptor (runProcess's first extraInput). */
 export const SECCOMP_FD = 3;
 
@@ -72,6 +74,8 @@ export interface BwrapSpec {
   layout: HostLayout;
   tmpBytes: number;
   command: string;
+  /** A host directory bound writable at SANDBOX_HOME (unsafe-local's home that outlives a call). */
+  home?: string | undefined;
 }
 
 export function bwrapArgv(s: BwrapSpec): string[] {
@@ -104,6 +108,7 @@ export function bwrapArgv(s: BwrapSpec): string[] {
   a.push('--dev', '/dev');
   a.push('--size', String(s.tmpBytes), '--tmpfs', '/tmp');
   a.push('--bind', s.workspace, SANDBOX_WORKSPACE, '--chdir', s.cwd);
+  if (s.home !== undefined) a.push('--bind', s.home, SANDBOX_HOME);
   // bwrap's root and /dev are writable tmpfs; read-only, so only /work and /tmp take writes
   // (the device nodes are their own bind mounts: /dev/null stays writable).
   a.push('--remount-ro', '/dev', '--remount-ro', '/');

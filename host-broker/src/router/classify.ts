@@ -38,7 +38,13 @@ export type RouteCode =
   | 'environment'
   | 'host'
   | 'home'
-  | 'too_long';
+  | 'too_long'
+  /** The call's own environment (LD_PRELOAD, GIT_*, PATH...) could change what runs. */
+  | 'call_env'
+  /** A repository's configuration names a program git would run. */
+  | 'git_config'
+  /** The caller asked for the VM. */
+  | 'forced';
 
 export interface ClassifyContext {
   /** Whether an earlier VM call changed any of these HOME-relative paths. */

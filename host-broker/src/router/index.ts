@@ -17,6 +17,7 @@ import { FASTPATH_BINARIES } from './rules.ts';
 import type { ProblemCode } from './script.ts';
 
 export type { RouteCode } from './classify.ts';
+export { gitConfigHazard } from './git-config.ts';
 export { FASTPATH_BINARIES, FASTPATH_COMMANDS, RULES } from './rules.ts';
 
 export type Route = 'fastpath' | 'vm';
@@ -103,6 +104,52 @@ export function routeCommand(command: string, opts: RouteOptions = {}): RouteDec
     commands: verdict.commands,
     writes: verdict.ok ? verdict.writes : [],
   };
+}
+
+/**
+ * Variables a caller may set on a fast-path call: they change formatting, never which
+ * program runs or what it loads. Anything else (LD_PRELOAD, LD_LIBRARY_PATH, BASH_ENV, ENV,
+ * PATH, GIT_*, PAGER, TMPDIR...) sends the call to the VM, where the environment is the
+ * tenant's own business.
+ */
+const SAFE_CALL_ENV = /^(LANG|LANGUAGE|LC_[A-Z]+|TZ|TERM|COLUMNS|LINES|NO_COLOR|FORCE_COLOR|CLICOLOR|CLICOLOR_FORCE)$/;
+
+export interface CallRouteRequest {
+  command: string;
+  /** The call's environment: part of the decision. */
+  env?: Readonly<Record<string, string>> | undefined;
+  /** The caller's wish: `vm` is honoured; `fastpath` only where the router agrees. */
+  forced?: Route | undefined;
+  homeChanged?: RouteOptions['homeChanged'];
+  /**
+   * Why git must not run on the fast path in this workspace (its configuration names a
+   * program), or null; asked only when the command runs git. `nested`: the command
+   * changes directory, so repositories below the root count too. See git-config.ts.
+   */
+  gitHazard?: (opts: { nested: boolean }) => string | null;
+  canRun?: RouteOptions['canRun'];
+}
+
+/**
+ * The whole routing decision of one bash call: the command, its environment, the caller's
+ * forced route (only ever towards the VM) and, for git, the repository's configuration.
+ */
+export function routeCall(req: CallRouteRequest): RouteDecision {
+  if (req.forced === 'vm') return vm('forced', 'route forced to the VM by the caller');
+  const unsafeEnv = Object.keys(req.env ?? {}).filter((k) => !SAFE_CALL_ENV.test(k));
+  const asked = req.forced === 'fastpath' ? ' (the caller asked for the fast path; only the VM can be forced)' : '';
+  if (unsafeEnv.length) return vm('call_env', `the call sets ${unsafeEnv.slice(0, 3).join(', ')} in its environment, which can change what runs${asked}`);
+  const d = routeCommand(req.command, {
+    ...(req.homeChanged !== undefined ? { homeChanged: req.homeChanged } : {}),
+    ...(req.canRun ? { canRun: req.canRun } : {}),
+  });
+  if (d.route !== 'fastpath') return asked ? { ...d, reason: d.reason + asked } : d;
+  if (d.commands.includes('git') && req.gitHazard) {
+    const nested = d.commands.includes('cd') || /\s-C\s/.test(req.command);
+    const why = req.gitHazard({ nested });
+    if (why) return { route: 'vm', code: 'git_config', reason: why, commands: d.commands, writes: [] };
+  }
+  return d;
 }
 
 /** Accepts `~/x`, `./x` and `x` alike. */

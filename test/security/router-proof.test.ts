@@ -1,0 +1,118 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { execFileSync } from 'node:child_process';
+import { appendFileSync, chmodSync, existsSync, mkdirSync, mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { FastPath } from '../../host-broker/src/fastpath/index.ts';
+import { gitConfigHazard, initRouter, routeCall } from '../../host-broker/src/router/index.ts';
+import { programKey } from '../../host-broker/src/router/git-config.ts';
+import { startBroker, type TestBroker } from '../helpers/broker.ts';
+
+/**
+ * Issue 12 item 8: with `core.fsmonitor` or `diff.external` in the workspace's .git/config
+ * pointing at a script, `git status` and `git diff` ran that script on the fast path; the
+ * call's env (LD_PRELOAD...) played no part in routing; `route: 'fastpath'` skipped the
+ * router entirely.
+ */
+/** A repository with one modified file; `config` is appended to its .git/config. */
+function repo(dir: string, config: string): void {
+  mkdirSync(dir, { recursive: true });
+  execFileSync('git', ['init', '-q', dir]);
+  writeFileSync(join(dir, 'f.txt'), 'one\n');
+  execFileSync('git', ['-C', dir, 'add', 'f.txt']);
+  execFileSync('git', ['-C', dir, '-c', 'user.email=t@t', '-c', 'user.name=t', 'commit', '-qm', 'x']);
+  writeFileSync(join(dir, 'f.txt'), 'two\n');
+  appendFileSync(join(dir, '.git', 'config'), config);
+}
+
+describe('router: env, forced routes and repository configuration', () => {
+  beforeAll(() => initRouter());
+
+  it('takes the call environment into the decision', () => {
+    expect(routeCall({ command: 'cat a.txt' })).toMatchObject({ route: 'fastpath' });
+    expect(routeCall({ command: 'cat a.txt', env: { LANG: 'C', LC_ALL: 'C.UTF-8', TZ: 'UTC' } })).toMatchObject({ route: 'fastpath' });
+    for (const k of ['LD_PRELOAD', 'LD_LIBRARY_PATH', 'BASH_ENV', 'ENV', 'GIT_CONFIG_COUNT', 'GIT_EXTERNAL_DIFF', 'PATH', 'PAGER']) {
+      expect(routeCall({ command: 'cat a.txt', env: { [k]: '/tmp/x' } }), k).toMatchObject({ route: 'vm', code: 'call_env' });
+    }
+  });
+
+  it('lets a caller force only the safer route', () => {
+    expect(routeCall({ command: 'ls', forced: 'vm' })).toMatchObject({ route: 'vm', code: 'forced' });
+    const d = routeCall({ command: 'python3 -c "import os; os.system(\'id\')"', forced: 'fastpath' });
+    expect(d.route).toBe('vm');
+    expect(d.reason).toMatch(/only the VM can be forced/);
+    expect(routeCall({ command: 'ls', forced: 'fastpath' })).toMatchObject({ route: 'fastpath' });
+  });
+
+  it('reads the keys of a git config that run programs', () => {
+    expect(programKey('[core]\n\tfsmonitor = /work/x.sh\n')).toBe('core.fsmonitor');
+    expect(programKey('[core]\n\tfsmonitor = false\n')).toBeNull();
+    expect(programKey('[diff]\n\texternal = ./d.sh\n')).toBe('diff.external');
+    expect(programKey('[diff "pdf"]\n\ttextconv = ./t.sh\n')).toBe('diff.pdf.textconv');
+    expect(programKey('[filter "lfs"]\n\tclean = ./c.sh %f\n')).toBe('filter.lfs.clean');
+    expect(programKey('[include]\n\tpath = ../cfg\n')).toBe('include.path');
+    expect(programKey('[Core] FSMonitor = x')).toBe('core.fsmonitor');
+    expect(programKey('[core]\n\tbare = false\n\tfilemode = true\n[user]\n\tname = x\n')).toBeNull();
+  });
+
+  it('sends git to the VM where the repository names a program, and keeps it on the fast path otherwise', () => {
+    const ws = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
+    repo(ws, '');
+    const hazard = (o: { nested: boolean }) => gitConfigHazard(ws, o);
+    expect(routeCall({ command: 'git status', gitHazard: hazard })).toMatchObject({ route: 'fastpath' });
+    writeFileSync(join(ws, '.git', 'config'), '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = /work/mon.sh\n');
+    expect(routeCall({ command: 'git status', gitHazard: hazard })).toMatchObject({ route: 'vm', code: 'git_config', reason: expect.stringMatching(/core\.fsmonitor/) });
+    // Commands without git are not held back by the repository.
+    expect(routeCall({ command: 'cat f.txt', gitHazard: hazard })).toMatchObject({ route: 'fastpath' });
+    // A nested repository counts when the command changes directory.
+    const ws2 = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
+    repo(join(ws2, 'sub'), '[diff]\n\texternal = /work/sub/d.sh\n');
+    expect(routeCall({ command: 'git status', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'fastpath' });
+    expect(routeCall({ command: 'cd sub && git diff', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'vm', code: 'git_config' });
+    expect(routeCall({ command: 'git -C sub diff', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'vm', code: 'git_config' });
+  });
+
+  describe('through a broker', () => {
+    let b: TestBroker;
+    beforeAll(async () => {
+      b = await startBroker();
+    });
+    afterAll(async () => b?.stop());
+
+    it('git status and git diff with a program-naming config do not run on the fast path', async () => {
+      const h = await b.connect();
+      const sb = await h.create();
+      const ws = join(b.dataDir, 'sessions', sb.id, 'workspace');
+      repo(ws, '[core]\n\tfsmonitor = /work/mon.sh\n[diff]\n\texternal = /work/mon.sh\n');
+      writeFileSync(join(ws, 'mon.sh'), '#!/bin/sh\necho ran >> /work/ran.txt\n');
+      chmodSync(join(ws, 'mon.sh'), 0o755);
+      for (const cmd of ['git status', 'git diff']) {
+        const r = await sb.run(cmd);
+        expect(r.route, cmd).toBe('vm');
+        expect(r.reason).toMatch(/core\.fsmonitor|diff\.external/);
+      }
+      const forced = await sb.run('git status', { route: 'fastpath' });
+      expect(forced.route).toBe('vm');
+      const env = await sb.run('cat f.txt', { env: { LD_PRELOAD: '/work/evil.so' } });
+      expect(env.route).toBe('vm');
+      await sb.close();
+    });
+  });
+
+  it("the fast path itself pins git's program keys (second layer)", async () => {
+    const fp = await FastPath.create();
+    try {
+      const ws = mkdtempSync(join(tmpdir(), 'hutch-gitpin-'));
+      repo(ws, '[core]\n\tfsmonitor = /work/mon.sh\n\thooksPath = /work/hooks\n');
+      writeFileSync(join(ws, 'mon.sh'), '#!/bin/sh\necho ran >> /work/ran.txt\n');
+      chmodSync(join(ws, 'mon.sh'), 0o755);
+      let out = '';
+      const r = await fp.run({ command: 'git status --short', workspace: ws, onStdout: (c) => void (out += c), onStderr: (c) => void (out += c) });
+      expect(r.exitCode, out).toBe(0);
+      expect(out).toContain('M f.txt');
+      expect(existsSync(join(ws, 'ran.txt'))).toBe(false);
+    } finally {
+      await fp.close();
+    }
+  });
+});
