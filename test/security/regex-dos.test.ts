@@ -49,7 +49,7 @@ describe('catastrophic patterns', () => {
     writeFileSync(join(dir, `${'a'.repeat(40)}c`), 'x\n');
 
     const events = await runProbe();
-    expect(events.map((e) => e.name)).toEqual(['grep', 'glob', 'list', 'compileGlob', 'read', 'read', 'read', 'grep-i']);
+    expect(events.map((e) => e.name)).toEqual(['grep', 'glob', 'list', 'compileGlob', 'read', 'read', 'read', 'grep-i', 'grep-after']);
     const by = (n: string) => events.find((e) => e.name === n) as Event;
     // Linear-engine fallback: the right answer, not an error.
     expect(by('grep').result).toMatchObject({ matches: [{ path: 'evil.txt', line: 2, text: 'a'.repeat(12) }], truncated: false });
@@ -59,5 +59,6 @@ describe('catastrophic patterns', () => {
     expect(events.filter((e) => e.name === 'read').map((e) => (e.result as { content: string }).content)).toEqual(['hello', 'hello', 'hello']);
     // Case-insensitive cannot use the linear engine: it ran off the loop until its deadline.
     expect(by('grep-i').code).toBe('timeout');
+    expect(by('grep-after').result).toMatchObject({ matches: [{ path: 'short.txt', line: 1, text: 'hello' }] });
   }, 90_000);
 });

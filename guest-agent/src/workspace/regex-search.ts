@@ -98,11 +98,7 @@ class WorkerPool {
       w.worker.ref();
       return Promise.resolve(w);
     }
-    if (this.live < this.max) {
-      this.live++;
-      const worker = new Worker(WORKER_SOURCE, { eval: true });
-      return Promise.resolve({ worker });
-    }
+    if (this.live < this.max) return Promise.resolve(this.spawn());
     return new Promise((resolve) => this.waiters.push(resolve));
   }
 
@@ -111,24 +107,31 @@ class WorkerPool {
     const next = this.waiters.shift();
     if (next) return next(w);
     w.worker.unref();
-    w.idleTimer = setTimeout(() => {
-      const i = this.idle.indexOf(w);
-      if (i >= 0) this.idle.splice(i, 1);
-      this.discard(w);
-    }, IDLE_MS);
+    w.idleTimer = setTimeout(() => this.discard(w), IDLE_MS);
     w.idleTimer.unref();
     this.idle.push(w);
   }
 
   /** Kills a worker (stuck past its deadline, or broken) and makes room for a fresh one. */
   discard(w: PooledWorker): void {
-    void w.worker.terminate();
-    this.live--;
-    const next = this.waiters.shift();
-    if (next) {
-      this.live++;
-      next({ worker: new Worker(WORKER_SOURCE, { eval: true }) });
-    }
+    void w.worker.terminate(); // its 'exit' gives the slot back
+  }
+
+  private spawn(): PooledWorker {
+    this.live++;
+    const w: PooledWorker = { worker: new Worker(WORKER_SOURCE, { eval: true }) };
+    // A search in flight has its own error listener; this one keeps an idle worker's
+    // failure from becoming an uncaught 'error' event.
+    w.worker.on('error', () => undefined);
+    w.worker.once('exit', () => {
+      clearTimeout(w.idleTimer);
+      const i = this.idle.indexOf(w);
+      if (i >= 0) this.idle.splice(i, 1);
+      this.live--;
+      const next = this.waiters.shift();
+      if (next) next(this.spawn());
+    });
+    return w;
   }
 }
 
