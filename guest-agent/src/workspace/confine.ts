@@ -110,6 +110,7 @@ export class Resolution implements ResolvedPath {
 
   /** The directory holding the final component (for the root: the root). Valid until close(). */
   get dirFd(): number {
+    if (this.closed) throw new Error(`resolution of ${this.rel} used after close()`);
     if (this.missing.length > 1) throw new Error('dirFd of a path with missing parents: call makeParents() first');
     return (this.frames[this.frames.length - 1] as Frame).fd;
   }

@@ -13,9 +13,10 @@ export interface WalkEntry {
   /**
    * The directory holding the entry and its raw name: act on the entry through
    * fd-path.ts (openFileAt(dirFd, name), lstatAt...) and nothing can redirect it. Valid
-   * only until the walk resumes (the next iteration).
+   * while the walk is in that directory or below it; reading it later throws rather than
+   * hand out a number the process may have reused for another file.
    */
-  dirFd: number;
+  readonly dirFd: number;
   name: Buffer;
 }
 
@@ -30,6 +31,7 @@ export interface WalkOptions {
 
 interface Frame {
   fd: number;
+  closed?: boolean;
   raw: Buffer;
   /** Subdirectories still to descend into, in order. */
   subdirs: Buffer[];
@@ -72,8 +74,7 @@ export async function* walk(start: string | number, opts: WalkOptions = {}): Asy
         const top = stack[stack.length - 1] as Frame;
         const next = top.subdirs.shift();
         if (next === undefined) {
-          const done = stack.pop() as Frame;
-          if (done.fd !== startFd) closeQuietly(done.fd);
+          close(stack.pop() as Frame, startFd);
           continue;
         }
         const fd = openChild(top.fd, next);
@@ -81,9 +82,14 @@ export async function* walk(start: string | number, opts: WalkOptions = {}): Asy
       }
     }
   } finally {
-    for (const f of stack) if (f.fd !== startFd) closeQuietly(f.fd);
+    for (const f of stack) close(f, startFd);
     if (typeof start !== 'number') closeQuietly(startFd);
   }
+}
+
+function close(f: Frame, startFd: number): void {
+  f.closed = true;
+  if (f.fd !== startFd) closeQuietly(f.fd);
 }
 
 async function* listDir(frame: Frame, opts: WalkOptions): AsyncGenerator<WalkEntry> {
@@ -102,7 +108,16 @@ async function* listDir(frame: Frame, opts: WalkOptions): AsyncGenerator<WalkEnt
     const rel = nameFromBytes(raw);
     if (d.type === 'dir' && opts.skipDirs?.has(nameStr)) continue;
     if (opts.skip?.(rel, d.type)) continue;
-    yield { rel, raw, type: d.type, dirFd: frame.fd, name: d.name };
+    yield {
+      rel,
+      raw,
+      type: d.type,
+      name: d.name,
+      get dirFd(): number {
+        if (frame.closed) throw new Error(`walk entry ${rel}: its directory was closed (the walk moved on)`);
+        return frame.fd;
+      },
+    };
     if (d.type === 'dir') frame.subdirs.push(d.name);
   }
 }
