@@ -87,7 +87,7 @@ export class Resolution implements ResolvedPath {
     /** Components below the last frame that do not exist yet, the final one last. */
     private readonly missing: Buffer[],
     public stat: Stats | undefined,
-    /** An fd on the final component when it is a directory the walk already opened. */
+    /** An fd on the final component when resolving already opened it as a directory. */
     dirOfFinal?: number,
   ) {
     this.ownDirFd = dirOfFinal;
