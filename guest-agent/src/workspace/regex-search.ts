@@ -14,8 +14,8 @@ import { HutchError } from '../protocol/errors.ts';
  *   works at runtime on the guest's Node 18 and the host's Node 20; the flag is process
  *   wide and changes no results, only which engine finishes a pathological match). A
  *   pattern runs on the fast backtracking engine and, past 50,000 backtracks, is re-run on
- *   V8's linear (NFA) engine. The linear engine alone (the `l` flag) was measured 40-60x
- *   slower on ordinary patterns, so it is only the fallback.
+ *   V8's linear (NFA) engine. The linear engine alone (the `l` flag) was measured
+ *   slower on ordinary patterns (50-130x on a 13 MB source-like text), so it is only the fallback.
  * - A deadline for the rest: what the linear engine cannot run (case-insensitive `i`,
  *   backreferences, lookaround, large counted repetitions) stays on the backtracking
  *   engine. Such a search runs in the worker until the call's deadline, then the worker is
