@@ -28,9 +28,11 @@ const bold = (s: string) => (process.stdout.isTTY ? `\x1b[1m${s}\x1b[0m` : s);
 const step = (s: string) => process.stdout.write(`\n${bold(`== ${s}`)}\n`);
 
 const dataDir = mkdtempSync(join(tmpdir(), 'hutch-demo-'));
+// The broker copies a workspace from a host directory only under a root it was given.
+const projectsDir = mkdtempSync(join(tmpdir(), 'hutch-demo-projects-'));
 const token = randomBytes(16).toString('hex');
 step('starting the broker (first run builds the guest kernel, rootfs and pristine snapshot; cached afterwards)');
-const broker = await serve({ port: 0, host: '127.0.0.1', token, dataDir, policy: { idleMs: 3000 }, log: createLogger({ name: 'hutch-broker', level: 'warn' }) });
+const broker = await serve({ port: 0, host: '127.0.0.1', token, dataDir, workspaceRoots: [projectsDir], policy: { idleMs: 3000 }, log: createLogger({ name: 'hutch-broker', level: 'warn' }) });
 const url = `ws://127.0.0.1:${broker.port}`;
 const hutch = await Hutch.connect(url, { token });
 process.stdout.write(`broker ${url}, backend ${hutch.backend}, accelerator ${hutch.accel ?? 'n/a'}\n`);
@@ -40,7 +42,7 @@ const PROJECTS = [
   { name: 'invoicer', read: 'invoicer/money.py', grep: 'grep -rn "def " invoicer | head -3', test: 'python3 -m unittest 2>&1 | tail -1' },
   { name: 'slugkit', read: 'src/slug.js', grep: 'grep -rn "function" src | head -3', test: 'node --test 2>&1 | grep -E "^# (pass|fail)" | paste -sd " "' },
 ] as const;
-for (const p of PROJECTS) prepareWorkspace(p.name, join(dataDir, 'projects', p.name), [EXAMPLE_PROJECTS]);
+for (const p of PROJECTS) prepareWorkspace(p.name, join(projectsDir, p.name), [EXAMPLE_PROJECTS]);
 
 function show(i: number, what: string, r: { route: string; reason: string; woke: boolean; timing: { totalMs: number; addedMs: number; wakeMs: number } }, extra = ''): void {
   const wake = r.woke ? ` woke in ${r.timing.wakeMs.toFixed(0)} ms` : '';
@@ -49,7 +51,7 @@ function show(i: number, what: string, r: { route: string; reason: string; woke:
 
 async function agent(i: number): Promise<Sandbox> {
   const p = PROJECTS[i % PROJECTS.length] as (typeof PROJECTS)[number];
-  const sb = await hutch.create({ cpus: 1, memoryMiB: 512, workspace: { dir: join(dataDir, 'projects', p.name) } });
+  const sb = await hutch.create({ cpus: 1, memoryMiB: 512, workspace: { dir: join(projectsDir, p.name) } });
   const read = await sb.files.read(p.read, { limit: 5 });
   show(i, `read ${p.read}`, read);
   const grep = await sb.run(p.grep);
@@ -93,6 +95,6 @@ for (const line of metrics.split('\n')) if (/^hutch_(calls_total|wakes_total|rel
 for (const sb of sandboxes) await sb.close();
 hutch.close();
 await broker.stop();
-if (values.keep) process.stdout.write(`\nkept ${dataDir}\n`);
-else rmSync(dataDir, { recursive: true, force: true });
+if (values.keep) process.stdout.write(`\nkept ${dataDir} and ${projectsDir}\n`);
+else for (const d of [dataDir, projectsDir]) rmSync(d, { recursive: true, force: true });
 process.stdout.write(`\n${bold('demo finished')}: run your own with ./hutch serve, connect with the SDK (import { Hutch } from 'hutch').\n`);
