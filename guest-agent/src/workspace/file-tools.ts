@@ -19,7 +19,7 @@ import type { ResolveOptions, Resolution, Workspace } from './confine.ts';
 import { lstatAt, readFileAt, readlinkAt, type OpenedFile, removeTreeAt, renameAt, rmdirAt, unlinkAt } from './fd-path.ts';
 import { compileGlob } from './glob-match.ts';
 import { nameFromBytes } from './names.ts';
-import { RegexSearch } from './regex-search.ts';
+import { RegexSearch, type FileMatches } from './regex-search.ts';
 import { countOccurrences, looksBinary, MAX_LINE_CHARS, splitLines } from './text.ts';
 import { walk, type WalkType } from './walk.ts';
 
@@ -196,7 +196,7 @@ export class FileTools {
         } else throw new HutchError('bad_request', `${p.path} is neither a file nor a directory`, { path: p.path });
 
         const results = await search.finish();
-        const perFile = files.map((f, i) => ({ ...f, found: results[i] as { count: number; matches: Array<{ line: number; text: string }> } }));
+        const perFile = files.map((f, i) => ({ ...f, found: results[i] as FileMatches }));
         const total = perFile.reduce((t, f) => t + f.found.count, 0);
         perFile.sort((a, b) => b.mtime - a.mtime);
         const all = perFile.flatMap((f) => f.found.matches.map((m) => ({ path: f.rel, line: m.line, text: m.text })));
