@@ -10,7 +10,7 @@ import { FileTools } from '../../guest-agent/src/workspace/file-tools.ts';
 import { compileGlob } from '../../guest-agent/src/workspace/glob-match.ts';
 
 const dir = process.argv[2] as string;
-const tools = new FileTools(new Workspace(dir), { grepTimeoutMs: 5_000 });
+const tools = new FileTools(new Workspace(dir), { searchTimeoutMs: 5_000 });
 const STAR_GLOB = '*a*a*a*a*a*a*a*a*a*a*a*a*c';
 const log = (e: Record<string, unknown>) => process.stdout.write(JSON.stringify(e) + '\n');
 const settle = (name: string, p: Promise<unknown>) =>

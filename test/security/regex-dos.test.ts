@@ -1,8 +1,10 @@
 import { afterAll, describe, expect, it } from 'vitest';
 import { spawn, type ChildProcess } from 'node:child_process';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { Workspace } from '../../guest-agent/src/workspace/confine.ts';
+import { FileTools } from '../../guest-agent/src/workspace/file-tools.ts';
 
 /**
  * Issue 12 item 4: one tenant's pattern must not stall the process that serves everyone.
@@ -61,4 +63,15 @@ describe('catastrophic patterns', () => {
     expect(by('grep-i').code).toBe('timeout');
     expect(by('grep-after').result).toMatchObject({ matches: [{ path: 'short.txt', line: 1, text: 'hello' }] });
   }, 90_000);
+
+  it('a walk over a big tree ends with a typed timeout at its budget instead of running on', async () => {
+    const big = join(dir, 'big');
+    mkdirSync(big);
+    for (let i = 0; i < 10_000; i++) writeFileSync(join(big, `f${i}.txt`), '');
+    const tools = new FileTools(new Workspace(big), { searchTimeoutMs: 1 });
+    const codeOf = (p: Promise<unknown>) => p.then(() => 'ok', (e: { code: string }) => e.code);
+    expect(await codeOf(tools.glob({ pattern: '*a*a*a*a*a*a*a*a*a*a*a*a*c' }))).toBe('timeout');
+    expect(await codeOf(tools.list({ ignore: ['*.txt'] }))).toBe('timeout');
+    expect(await codeOf(tools.grep({ pattern: 'x' }))).toBe('timeout');
+  });
 });

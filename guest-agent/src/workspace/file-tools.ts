@@ -22,6 +22,7 @@ import { nameFromBytes } from './names.ts';
 import { RegexSearch, type FileMatches } from './regex-search.ts';
 import { countOccurrences, looksBinary, MAX_LINE_CHARS, splitLines } from './text.ts';
 import { walk, type WalkType } from './walk.ts';
+import { WorkBudget } from './work-budget.ts';
 
 /** Directories the listing and search tools skip, as opencode's do. */
 export const DEFAULT_IGNORED_DIRS: ReadonlySet<string> = new Set([
@@ -37,8 +38,8 @@ export interface FileToolsOptions {
   owner?: { uid: number; gid: number };
   /** fsync writes (the host workspace is the source of truth). */
   durable?: boolean;
-  /** Budget of one grep (ms), after which it fails with `timeout` (see regex-search.ts). */
-  grepTimeoutMs?: number;
+  /** Time one grep, glob or list may take (ms), after which it fails with `timeout` (work-budget.ts). */
+  searchTimeoutMs?: number;
 }
 
 type In<S extends z.ZodType> = z.output<S>;
@@ -46,7 +47,7 @@ type In<S extends z.ZodType> = z.output<S>;
 const DEFAULT_READ_LIMIT = 2000;
 const DEFAULT_FILE_MODE = 0o644;
 const DEFAULT_DIR_MODE = 0o755;
-const DEFAULT_GREP_TIMEOUT_MS = 30_000;
+const DEFAULT_SEARCH_TIMEOUT_MS = 30_000;
 
 /**
  * The file tools with opencode's semantics, all confined to one workspace. The same
@@ -153,10 +154,11 @@ export class FileTools {
 
   async glob(p: In<typeof GlobParamsSchema>): Promise<ResultOf<'fs.glob'>> {
     const match = compileGlob(p.pattern);
+    const budget = this.budget('glob');
     return this.at(p.path ?? '.', {}, async (base) => {
       const limit = p.limit ?? 100;
       const found: Array<{ rel: string; mtime: number }> = [];
-      for await (const e of walk(this.dirFd(base, p.path), { skipDirs: SEARCH_SKIPPED_DIRS })) {
+      for await (const e of walk(this.dirFd(base, p.path), { skipDirs: SEARCH_SKIPPED_DIRS, tick: () => budget.tick() })) {
         if (e.type === 'dir' || !match(e.rel)) continue;
         const st = lstatAt(e.dirFd, e.name);
         if (st) found.push({ rel: e.rel, mtime: st.mtimeMs });
@@ -169,11 +171,8 @@ export class FileTools {
 
   async grep(p: In<typeof GrepParamsSchema>): Promise<ResultOf<'fs.grep'>> {
     const limit = p.limit ?? 100;
-    const search = new RegexSearch(p.pattern, p.ignoreCase ? 'i' : '', {
-      perFileLimit: limit,
-      maxLineChars: MAX_LINE_CHARS,
-      deadlineMs: this.opts.grepTimeoutMs ?? DEFAULT_GREP_TIMEOUT_MS,
-    });
+    const budget = this.budget('grep');
+    const search = new RegexSearch(p.pattern, p.ignoreCase ? 'i' : '', { perFileLimit: limit, maxLineChars: MAX_LINE_CHARS }, budget);
     const include = p.include ? compileGlob(p.include) : undefined;
     try {
       return await this.at(p.path ?? '.', {}, async (start) => {
@@ -189,7 +188,7 @@ export class FileTools {
         };
         if (start.stat?.isFile()) await consider(start.dirFd, start.name, start.rel);
         else if (start.stat?.isDirectory()) {
-          for await (const e of walk(start.openDir(), { skipDirs: SEARCH_SKIPPED_DIRS })) {
+          for await (const e of walk(start.openDir(), { skipDirs: SEARCH_SKIPPED_DIRS, tick: () => budget.tick() })) {
             if (e.type !== 'file' || (include && !include(e.rel))) continue;
             await consider(e.dirFd, e.name, childRel(start, e.rel));
           }
@@ -209,12 +208,13 @@ export class FileTools {
 
   async list(p: In<typeof ListParamsSchema>): Promise<ResultOf<'fs.list'>> {
     const ignore = p.ignore?.length ? p.ignore.map((g) => compileGlob(g)) : [];
+    const budget = this.budget('list');
     return this.at(p.path ?? '.', {}, async (base) => {
       const limit = p.limit ?? 100;
       const entries: Array<{ path: string; type: WalkType }> = [];
       let truncated = false;
       const skip = (rel: string) => ignore.some((m) => m(rel));
-      for await (const e of walk(this.dirFd(base, p.path), { skipDirs: DEFAULT_IGNORED_DIRS, skip })) {
+      for await (const e of walk(this.dirFd(base, p.path), { skipDirs: DEFAULT_IGNORED_DIRS, skip, tick: () => budget.tick() })) {
         if (entries.length >= limit) {
           truncated = true;
           break;
@@ -290,6 +290,10 @@ export class FileTools {
     } catch (err) {
       throw toHutchError(err, { path });
     }
+  }
+
+  private budget(tool: string): WorkBudget {
+    return new WorkBudget(tool, this.opts.searchTimeoutMs ?? DEFAULT_SEARCH_TIMEOUT_MS);
   }
 
   private checkSize(bytes: number, path: string): void {

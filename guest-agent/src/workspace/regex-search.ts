@@ -1,6 +1,7 @@
 import { cpus } from 'node:os';
 import { Worker } from 'node:worker_threads';
 import { HutchError } from '../protocol/errors.ts';
+import type { WorkBudget } from './work-budget.ts';
 
 /**
  * grep's regular expressions run off the event loop, in a small pool of worker threads,
@@ -28,8 +29,6 @@ export interface SearchLimits {
   perFileLimit: number;
   /** Longer lines are cut to this many characters, then `...`. */
   maxLineChars: number;
-  /** Wall-clock budget for the whole search, queueing for a worker included. */
-  deadlineMs: number;
 }
 
 export interface FileMatches {
@@ -146,7 +145,6 @@ function sharedPool(): WorkerPool {
  * back per file in the order added. Throws `timeout` once the deadline has passed.
  */
 export class RegexSearch {
-  private readonly deadline: number;
   private worker: PooledWorker | undefined;
   private batch: Uint8Array[] = [];
   private batchBytes = 0;
@@ -157,6 +155,8 @@ export class RegexSearch {
     private readonly pattern: string,
     private readonly flags: string,
     private readonly limits: SearchLimits,
+    /** The whole search's time, queueing for a worker included. */
+    private readonly budget: WorkBudget,
   ) {
     // Syntax errors surface here, on the loop: parsing is linear, matching is what is not.
     try {
@@ -164,7 +164,6 @@ export class RegexSearch {
     } catch (err) {
       throw new HutchError('bad_request', `invalid regular expression: ${(err as Error).message}`, { pattern });
     }
-    this.deadline = Date.now() + limits.deadlineMs;
   }
 
   async add(content: Uint8Array): Promise<void> {
@@ -235,7 +234,7 @@ export class RegexSearch {
 
   /** Races `p` against the deadline; on expiry the worker in use is terminated and `timeout` thrown. */
   private withDeadline<T>(p: Promise<T>, onExpire: () => void): Promise<T> {
-    const left = this.deadline - Date.now();
+    const left = this.budget.left();
     if (left <= 0) {
       onExpire();
       return Promise.reject(this.timeoutError());
@@ -259,11 +258,7 @@ export class RegexSearch {
   }
 
   private timeoutError(): HutchError {
-    const err = new HutchError(
-      'timeout',
-      `grep did not finish within ${this.limits.deadlineMs} ms; the pattern may need exponential backtracking (case-insensitive patterns, backreferences and lookaround cannot use the linear-time engine)`,
-      { pattern: this.pattern, timeoutMs: this.limits.deadlineMs },
-    );
+    const err = this.budget.timeout('the pattern may need exponential backtracking (case-insensitive patterns, backreferences and lookaround cannot use the linear-time engine)');
     this.fail(err);
     return err;
   }
@@ -277,6 +272,6 @@ export class RegexSearch {
 
   private checkDeadline(): void {
     if (this.failed) throw this.failed;
-    if (Date.now() >= this.deadline) throw this.timeoutError();
+    if (this.budget.left() <= 0) throw this.timeoutError();
   }
 }

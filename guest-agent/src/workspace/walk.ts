@@ -27,6 +27,8 @@ export interface WalkOptions {
   skip?: (rel: string, type: WalkType) => boolean;
   /** Stop after this many entries. */
   limit?: number;
+  /** Called per directory entry, skipped ones included: lets a caller yield to the loop and enforce a deadline (work-budget.ts). */
+  tick?: () => Promise<void>;
 }
 
 interface Frame {
@@ -102,6 +104,7 @@ async function* listDir(frame: Frame, opts: WalkOptions): AsyncGenerator<WalkEnt
   }
   entries.sort((a, b) => Buffer.compare(a.name, b.name));
   for (const d of entries) {
+    if (opts.tick) await opts.tick();
     const nameStr = nameFromBytes(d.name);
     if (isAtomicTempName(nameStr)) continue;
     const raw = frame.raw.length ? joinNames([frame.raw, d.name]) : d.name;
