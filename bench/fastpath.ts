@@ -25,7 +25,7 @@ import { createSandboxEtc } from '../host-broker/src/fastpath/sandbox-etc.ts';
 import { benchArgs, emit, markdownTable, median, percentile, round } from './lib/report.ts';
 import { randomBytes } from 'node:crypto';
 import { Broker } from '../host-broker/src/broker.ts';
-import { LocalBackend } from '../host-broker/src/backends/local-backend.ts';
+import { UnsafeLocalBackend } from '../host-broker/src/backends/local-backend.ts';
 import { createFastPath } from '../host-broker/src/tools/fastpath-factory.ts';
 import { Hutch } from '../host-broker/src/sdk/index.ts';
 
@@ -114,7 +114,7 @@ async function measureThroughBroker(): Promise<{ read: number[]; exec: number[] 
   const dataDir = mkdtempSync(join(tmpdir(), 'hutch-bench-fp-broker-'));
   const token = randomBytes(12).toString('hex');
   const fastPath = await createFastPath(noopLogger);
-  const broker = new Broker({ port: 0, token, dataDir, backend: new LocalBackend(noopLogger), fastPath, log: noopLogger });
+  const broker = new Broker({ port: 0, token, dataDir, backend: new UnsafeLocalBackend(fastPath, noopLogger), fastPath, log: noopLogger });
   const port = await broker.start();
   const hutch = await Hutch.connect(`ws://127.0.0.1:${port}`, { token });
   const sb = await hutch.create({ workspace: { files: { 'page.txt': 'x'.repeat(4095) + '\n', 'small.txt': 'hello\n' } } });

@@ -14,7 +14,7 @@ describe('sandbox lifecycle with real VMs', { tags: ['vm'] }, () => {
   let b: TestBroker;
   let hutch: Hutch;
   beforeAll(async () => {
-    b = await startBroker({ backend: 'qemu', idleMs: 3000 });
+    b = await startBroker({ backend: 'qemu', idleMs: 3000, workspaceRoots: [tmpdir()] });
     hutch = await b.connect();
   }, 1_800_000);
   afterAll(async () => {

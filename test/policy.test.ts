@@ -83,7 +83,7 @@ describe('levels with real VMs', { tags: ['vm'] }, () => {
   });
 
   it('level 3 (no routing): every call, file tools too, runs in the VM and the replay matches a bare host', async () => {
-    const b = await startBroker({ backend: 'qemu', policy: policyForLevel('3') });
+    const b = await startBroker({ backend: 'qemu', policy: policyForLevel('3'), workspaceRoots: [tmpdir()] });
     brokers.push(b);
     const hutch = await b.connect();
     const s = loadSessions().find((x) => x.id === 'inv-fix-split');

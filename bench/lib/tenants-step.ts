@@ -5,7 +5,7 @@
  * checked against the pass rule (p99 added < 1.5 s, no errors, no OOM).
  */
 import { mkdirSync, rmSync } from 'node:fs';
-import { join } from 'node:path';
+import { dirname, join } from 'node:path';
 import { loadavg } from 'node:os';
 import { randomBytes } from 'node:crypto';
 import { createLogger } from '../../guest-agent/src/log.ts';
@@ -107,6 +107,8 @@ async function startBroker(plan: StepPlan, dataDir: string, token: string): Prom
     host: '127.0.0.1',
     token,
     dataDir,
+    // The project templates tenants are created from (directory sources need a root).
+    workspaceRoots: [...new Set([...plan.templates.values()].map((t) => dirname(t)))],
     log: createLogger({ name: 'hutch-broker', level: 'error' }),
     policy: plan.policy,
   };

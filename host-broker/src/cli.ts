@@ -3,14 +3,16 @@
  * hutch command line: `hutch serve` runs the broker.
  */
 import { parseArgs } from 'node:util';
-import { closeSync, realpathSync, writeSync } from 'node:fs';
+import { closeSync, readFileSync, realpathSync, writeSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
 import { homedir } from 'node:os';
 import { join } from 'node:path';
 import { createLogger, parseLogLevel, type Logger } from '../../guest-agent/src/log.ts';
 import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import { Broker } from './broker.ts';
-import { cacheDir, createBackend, BACKEND_NAMES } from './backends/registry.ts';
+import { cacheDir, createBackend, BACKEND_NAMES, UNSAFE_LOCAL_ACK_FLAG } from './backends/registry.ts';
+import { parseTokens } from './api/principals.ts';
+import type { WsLimits } from './api/ws-server.ts';
 import { QemuBackend } from './backends/qemu-backend.ts';
 import { createFastPath } from './tools/fastpath-factory.ts';
 import { LEVEL_NAMES, policyForLevel, type SandboxPolicy } from './policy/sandbox-policy.ts';
@@ -24,9 +26,24 @@ usage:
 serve options:
   --port N          TCP port (default 7070; 0 picks a free one)
   --host ADDR       listen address (default 127.0.0.1)
-  --token T         bearer token harnesses must present (default: env HUTCH_TOKEN, else generated and printed)
+  --token T         bearer token harnesses must present, the principal "default"
+                    (default: env HUTCH_TOKEN, else generated and printed unless --tokens-file is given)
+  --tokens-file F   named principals, one "name:token" per line (or a JSON object name -> token); each
+                    principal sees only the sessions it created
+  --workspace-root DIR
+                    host directory that create({ workspace: { dir } }) may copy from (repeatable;
+                    none = directory sources refused)
+  --metrics-port N  also serve /metrics without a token on this port (on the main port it needs a token)
+  --metrics-host A  address for --metrics-port (default 127.0.0.1)
+  --max-frame-mib N largest WebSocket message (default 64)
+  --max-connections N
+                    open WebSockets per principal (default 32)
   --data-dir D      sessions and their workspaces (default: env HUTCH_DATA, else ~/.local/state/hutch)
-  --backend B       where VM-routed calls run: ${BACKEND_NAMES.join(' | ')} (default: qemu when it works here, else local)
+  --backend B       where VM-routed calls run: ${BACKEND_NAMES.join(' | ')} (default: qemu; without QEMU
+                    the broker refuses to start rather than pick a weaker backend)
+  ${UNSAFE_LOCAL_ACK_FLAG}
+                    required with --backend unsafe-local: tenants then share the host kernel (a bubblewrap
+                    sandbox per call, no VM boundary); for development only
   --level L         policy preset: ${LEVEL_NAMES.join(' | ')} (default 4: routing, snapshot restore, 5 s release, cost model)
                     1 = a booted VM per session, never released; 2 = killed after 30 s idle, cold boot;
                     3 = snapshot restore without routing; reclaim/prefetch = keep idle VMs, reclaim memory
@@ -42,10 +59,19 @@ serve options:
 export interface ServeOptions {
   port: number;
   host: string;
-  token: string;
+  /** The single-token case (principal "default"). */
+  token?: string;
+  /** Named principals (name -> token). */
+  tokens?: Record<string, string>;
   dataDir: string;
   backend?: string;
+  /** Given with backend unsafe-local: the operator knows tenants share the host kernel. */
+  acknowledgeUnsafeLocal?: boolean;
+  workspaceRoots?: string[];
+  limits?: Partial<WsLimits>;
+  metricsListen?: { host: string; port: number };
   policy?: Partial<SandboxPolicy>;
+  policyLevel?: string;
   log: Logger;
   /** Use the cached guest image only (fail with `unavailable` when it is missing). */
   noBuild?: boolean;
@@ -53,9 +79,33 @@ export interface ServeOptions {
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
 export async function serve(o: ServeOptions): Promise<Broker> {
-  const backend = await createBackend(o.backend, { log: o.log, dataDir: o.dataDir, ...(o.noBuild ? { noBuild: true } : {}) });
+  // The fast path first: its spawn helper forks while the process is small, and unsafe-local runs through it.
   const fastPath = await createFastPath(o.log);
-  const broker = new Broker({ port: o.port, host: o.host, token: o.token, dataDir: o.dataDir, backend, fastPath, log: o.log, ...(o.policy ? { policy: o.policy } : {}) });
+  const backend = await createBackend(o.backend, {
+    log: o.log,
+    dataDir: o.dataDir,
+    fastPath,
+    ...(o.noBuild ? { noBuild: true } : {}),
+    ...(o.acknowledgeUnsafeLocal ? { acknowledgeUnsafeLocal: true } : {}),
+  }).catch(async (err: unknown) => {
+    await fastPath.close();
+    throw err;
+  });
+  const broker = new Broker({
+    port: o.port,
+    host: o.host,
+    ...(o.token !== undefined ? { token: o.token } : {}),
+    ...(o.tokens ? { tokens: o.tokens } : {}),
+    ...(o.workspaceRoots ? { workspaceRoots: o.workspaceRoots } : {}),
+    ...(o.limits ? { limits: o.limits } : {}),
+    ...(o.metricsListen ? { metricsListen: o.metricsListen } : {}),
+    ...(o.policyLevel ? { policyLevel: o.policyLevel } : {}),
+    dataDir: o.dataDir,
+    backend,
+    fastPath,
+    log: o.log,
+    ...(o.policy ? { policy: o.policy } : {}),
+  });
   await broker.start();
   return broker;
 }
@@ -109,8 +159,15 @@ async function main(): Promise<void> {
       port: { type: 'string', default: '7070' },
       host: { type: 'string', default: '127.0.0.1' },
       token: { type: 'string' },
+      'tokens-file': { type: 'string' },
+      'workspace-root': { type: 'string', multiple: true },
+      'metrics-port': { type: 'string' },
+      'metrics-host': { type: 'string', default: '127.0.0.1' },
+      'max-frame-mib': { type: 'string' },
+      'max-connections': { type: 'string' },
       'data-dir': { type: 'string' },
       backend: { type: 'string' },
+      'i-know-unsafe-local': { type: 'boolean' },
       level: { type: 'string' },
       'idle-ms': { type: 'string' },
       'idle-policy': { type: 'string' },
@@ -126,19 +183,34 @@ async function main(): Promise<void> {
     return;
   }
   const log = createLogger({ name: 'hutch-broker', level: parseLogLevel(values['log-level'] ?? process.env['HUTCH_LOG_LEVEL']) });
-  const token = values.token ?? process.env['HUTCH_TOKEN'] ?? randomBytes(16).toString('hex');
+  const tokens = values['tokens-file'] ? parseTokens(readTokensFile(values['tokens-file']), values['tokens-file']) : undefined;
+  const givenToken = values.token ?? process.env['HUTCH_TOKEN'];
+  // A generated token only when no principal was configured at all.
+  const token = givenToken ?? (tokens ? undefined : randomBytes(16).toString('hex'));
   const dataDir = values['data-dir'] ?? process.env['HUTCH_DATA'] ?? join(homedir(), '.local/state/hutch');
+  if (values['i-know-unsafe-local'] && values.backend !== 'unsafe-local') throw new HutchError('bad_request', `${UNSAFE_LOCAL_ACK_FLAG} goes with --backend unsafe-local`);
+  const limits: Partial<WsLimits> = {
+    ...(values['max-frame-mib'] !== undefined ? { maxPayloadBytes: positiveInt('--max-frame-mib', values['max-frame-mib']) * 1024 * 1024 } : {}),
+    ...(values['max-connections'] !== undefined ? { maxConnectionsPerPrincipal: positiveInt('--max-connections', values['max-connections']) } : {}),
+  };
   const broker = await serve({
     port: Number(values.port),
     host: values.host,
-    token,
+    ...(token !== undefined ? { token } : {}),
+    ...(tokens ? { tokens } : {}),
     dataDir,
     ...(values.backend ? { backend: values.backend } : {}),
+    ...(values['i-know-unsafe-local'] ? { acknowledgeUnsafeLocal: true } : {}),
+    ...(values['workspace-root'] ? { workspaceRoots: values['workspace-root'] } : {}),
+    limits,
+    ...(values['metrics-port'] !== undefined ? { metricsListen: { host: values['metrics-host'], port: Number(values['metrics-port']) } } : {}),
+    policyLevel: values.level ?? '4',
     ...(values['no-build'] ? { noBuild: true } : {}),
     policy: policyFromFlags(values.level, values['idle-ms'], values['idle-policy']),
     log,
   });
-  const tokenGiven = Boolean(values.token || process.env['HUTCH_TOKEN']);
+  // A file's principals are never printed; a generated token must be, or nobody could connect.
+  const tokenGiven = Boolean(givenToken) || token === undefined;
   const url = `ws://${values.host}:${broker.port}`;
   // For a supervisor: one line of JSON once the port is open (a generated token is in it,
   // since nothing else could tell it to the harness; a given one is not repeated).
@@ -156,6 +228,20 @@ async function main(): Promise<void> {
   };
   process.on('SIGINT', () => void stop('SIGINT'));
   process.on('SIGTERM', () => void stop('SIGTERM'));
+}
+
+function readTokensFile(path: string): string {
+  try {
+    return readFileSync(path, 'utf8');
+  } catch (err) {
+    throw new HutchError('not_found', `cannot read --tokens-file ${path}: ${(err as Error).message}`);
+  }
+}
+
+function positiveInt(flag: string, v: string): number {
+  const n = Number(v);
+  if (!Number.isInteger(n) || n <= 0) throw new HutchError('bad_request', `${flag} must be a whole number > 0, got ${JSON.stringify(v)}`);
+  return n;
 }
 
 /** Writes the ready line to an inherited descriptor and closes it, so a reader sees EOF. */

@@ -64,8 +64,9 @@ zswap=1
 zswap_compressor=lz4
 zswap_zpool=zsmalloc
 zswap_max_pool_percent=
-pids_max=4096
-nproc=4096
+# Empty: derived from the VM's memory below (a hutch.* parameter overrides).
+pids_max=
+nproc=
 preload=1
 preload_node=0
 work_size=
@@ -200,10 +201,40 @@ for c in memory pids cpu; do
 done
 [ -n "$enable" ] && { knob "$cg/cgroup.subtree_control" "${enable# }" || warn "cannot enable cgroup controllers:$enable"; }
 mkdir -p "$cg/agent" "$cg/workload" || die "cannot create cgroups"
-# A fork bomb in the workload only exhausts its own cgroup; the agent stays responsive.
-# (Tenant commands land there once the agent moves them in; until then the RLIMIT_NPROC
-# set in agent-start.sh is what caps them.)
-[ -e "$cg/workload/pids.max" ] && knob "$cg/workload/pids.max" "$pids_max"
+# Workload limits come from this VM's size, so a fork bomb or a memory hog exhausts only
+# its own cgroup and the agent always has room to answer (with a typed error, and the
+# next call works). The agent keeps a reserve the workload cannot take: a quarter of RAM,
+# at least 128 MiB (kernel, page tables, the agent's Node heap). memory.high throttles
+# and reclaims before memory.max OOM-kills inside the workload; swap is bounded too, or a
+# hog would first push the whole VM through zswap/swap. Processes: one per 512 KiB of
+# RAM (each costs kernel stack, page tables and a little private memory), 64..4096.
+mem_kb=
+while read -r k v _; do
+  [ "$k" = MemTotal: ] && { mem_kb=$v; break; }
+done < /proc/meminfo
+if [ -n "$mem_kb" ]; then
+  reserve_kb=$((mem_kb / 4))
+  [ "$reserve_kb" -lt 131072 ] && reserve_kb=131072
+  work_kb=$((mem_kb - reserve_kb))
+  [ "$work_kb" -lt 65536 ] && work_kb=65536
+  derived_pids=$((mem_kb / 512))
+  [ "$derived_pids" -lt 64 ] && derived_pids=64
+  [ "$derived_pids" -gt 4096 ] && derived_pids=4096
+else
+  warn "no MemTotal in /proc/meminfo: workload memory is not limited"
+  derived_pids=1024
+fi
+[ -n "$pids_max" ] || pids_max=$derived_pids
+[ -n "$nproc" ] || nproc=$pids_max
+[ -e "$cg/workload/pids.max" ] && { knob "$cg/workload/pids.max" "$pids_max" || warn "cannot set workload pids.max"; }
+if [ -n "$work_kb" ] && [ -e "$cg/workload/memory.max" ]; then
+  knob "$cg/workload/memory.high" "$((work_kb * 7 / 8 * 1024))" || warn "cannot set workload memory.high"
+  knob "$cg/workload/memory.max" "$((work_kb * 1024))" || warn "cannot set workload memory.max"
+  [ -e "$cg/workload/memory.swap.max" ] && { knob "$cg/workload/memory.swap.max" "$((work_kb / 2 * 1024))" || warn "cannot set workload memory.swap.max"; }
+  # The agent's own pages are protected from the reclaim the workload causes.
+  [ -e "$cg/agent/memory.min" ] && knob "$cg/agent/memory.min" $((64 * 1024 * 1024))
+  say "workload limits: memory.max=$((work_kb / 1024))M pids.max=$pids_max (VM $((mem_kb / 1024))M)"
+fi
 # The agent relays every byte of output: it wins CPU contention against tenant commands.
 [ -e "$cg/agent/cpu.weight" ] && knob "$cg/agent/cpu.weight" 1000
 

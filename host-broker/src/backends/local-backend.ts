@@ -86,6 +86,7 @@ class UnsafeLocalSandbox implements Sandbox {
         onStdout: req.onStdout,
         onStderr: req.onStderr,
         signal: ac.signal,
+        ...(req.onSignalable ? { onSignalable: req.onSignalable } : {}),
       });
       if (r.limits.oomKilled || r.limits.processLimitHit) this.log.info('unsafe_local.limit_hit', { oomKilled: r.limits.oomKilled, processLimitHit: r.limits.processLimitHit });
       return {

@@ -3,11 +3,15 @@ import { cacheRoot } from '../../../build/cache.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import type { VmBackend } from './backend.ts';
-import { LocalBackend } from './local-backend.ts';
+import { UnsafeLocalBackend } from './local-backend.ts';
+import type { FastPath } from '../fastpath/index.ts';
 import { QemuBackend } from './qemu-backend.ts';
 import type { KernelChoice } from '../vm/guest-image.ts';
 
-export const BACKEND_NAMES = ['qemu', 'local'] as const;
+export const BACKEND_NAMES = ['qemu', 'unsafe-local'] as const;
+
+/** The flag that acknowledges what unsafe-local is; it must be given with `--backend unsafe-local`. */
+export const UNSAFE_LOCAL_ACK_FLAG = '--i-know-unsafe-local';
 
 export interface BackendDeps {
   log: Logger;
@@ -17,6 +21,13 @@ export interface BackendDeps {
   kernel?: KernelChoice;
   /** Use the cached guest image only: a missing one is an `unavailable` error, not a build. */
   noBuild?: boolean;
+  /**
+   * The operator's explicit acknowledgement that `unsafe-local` shares the host kernel
+   * (the CLI's --i-know-unsafe-local); without it that backend refuses to start.
+   */
+  acknowledgeUnsafeLocal?: boolean;
+  /** unsafe-local runs tenant commands through the fast path's sandbox (required for it). */
+  fastPath?: FastPath;
 }
 
 /** ~/.cache/hutch (or $HUTCH_CACHE): kernel, rootfs, snapshots. */
@@ -34,16 +45,34 @@ export function qemuAvailable(): boolean {
   }
 }
 
-/** Picks the VM backend by name; without a name, qemu where QEMU is installed, else local (loudly). */
+/**
+ * Picks the VM backend by name; without a name, qemu. A weaker backend is never chosen
+ * implicitly: a host without QEMU gets an error saying what to install or how to opt in.
+ */
 export async function createBackend(name: string | undefined, deps: BackendDeps): Promise<VmBackend> {
-  const n = name ?? (qemuAvailable() ? 'qemu' : 'local');
+  const n = name ?? 'qemu';
   switch (n) {
     case 'qemu':
-      if (!qemuAvailable()) throw new HutchError('unavailable', 'the qemu backend needs qemu-system-x86_64 (./hutch setup installs it)');
+      if (!qemuAvailable()) {
+        throw new HutchError(
+          'unavailable',
+          'the qemu backend needs qemu-system-x86_64, which is not installed: run ./hutch setup (or apt-get install qemu-system-x86). ' +
+            `For development only, --backend unsafe-local ${UNSAFE_LOCAL_ACK_FLAG} runs tenant commands on the host kernel in a bubblewrap sandbox instead.`,
+        );
+      }
       return QemuBackend.create({ dataDir: deps.dataDir, cacheDir: deps.cacheDir ?? cacheDir(), log: deps.log, ...(deps.kernel ? { kernel: deps.kernel } : {}), ...(deps.noBuild ? { noBuild: true } : {}) });
+    case 'unsafe-local':
+      if (!deps.acknowledgeUnsafeLocal) {
+        throw new HutchError(
+          'bad_request',
+          `the unsafe-local backend runs tenants on the host kernel (no VM boundary); start it only with ${UNSAFE_LOCAL_ACK_FLAG} to acknowledge that`,
+        );
+      }
+      if (!deps.fastPath) throw new HutchError('internal', 'unsafe-local needs the fast path (createBackend deps.fastPath)');
+      deps.log.warn('backend.unsafe_local', { note: 'tenant commands share the host kernel: a kernel bug is a host compromise; use qemu for untrusted tenants' });
+      return new UnsafeLocalBackend(deps.fastPath, deps.log);
     case 'local':
-      deps.log.warn('backend.local', { note: 'the local backend is not isolation-equivalent to a microVM', chosen: name ? 'by request' : 'QEMU is not installed' });
-      return new LocalBackend(deps.log);
+      throw new HutchError('bad_request', `the local backend is now called unsafe-local and needs ${UNSAFE_LOCAL_ACK_FLAG}`);
     default:
       throw new HutchError('bad_request', `unknown backend ${n}; choose one of ${BACKEND_NAMES.join(', ')}`);
   }

@@ -6,7 +6,7 @@ import type { FastPathRunner } from './fastpath-runner.ts';
  * The broker's fast path: bubblewrap + seccomp on the host workspace, with limits. Created
  * early in the broker's life because it forks its spawn helper while the heap is small.
  */
-export async function createFastPath(log: Logger): Promise<FastPathRunner & { close(): Promise<void>; describe: FastPath['describe'] }> {
+export async function createFastPath(log: Logger): Promise<FastPath & FastPathRunner> {
   const fp = await FastPath.create({ log: log.child({ part: 'fastpath' }) });
   log.info('fastpath.ready', { limits: fp.describe().limits.mechanism });
   return fp;
