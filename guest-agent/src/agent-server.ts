@@ -71,10 +71,13 @@ export class Agent {
           return new Uint8Array(0);
         }),
       'sync.mark': () => this.sync.mark(),
-      'sync.changes': (p, ctx) => {
-        // Inline content must leave room in the response frame for the entries themselves.
-        const frame = ctx.connection.peer?.maxFrame ?? 1024 * 1024;
-        return this.sync.changes(p.since, { maxBytes: p.inlineMaxBytes ?? 64 * 1024, budgetBytes: Math.floor(frame / 2) });
+      'sync.changes': async (p, ctx) => {
+        // The change set goes on the stream in records, with the stream's flow control.
+        const out = ctx.outbound(p.stream);
+        const r = await this.sync.changes(p.since, { inlineMaxBytes: p.inlineMaxBytes ?? 64 * 1024, maxFileBytes: p.maxFileBytes }, out);
+        out.end();
+        await out.flushed();
+        return r;
       },
       'sync.read': async (p, ctx) => {
         const out = ctx.outbound(p.stream);

@@ -5,6 +5,9 @@ import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import type { Hello } from '../../guest-agent/src/protocol/messages.ts';
 import type { ExecResult, MethodName, ParamsOf, ResultOf, SyncChange, SignalSchema } from '../../guest-agent/src/protocol/methods.ts';
 import type { InboundStream } from '../../guest-agent/src/protocol/flow-control.ts';
+import { SYNC_RECORD_MAX_BYTES, SyncChangesBatchSchema, type SyncChangesBatch } from '../../guest-agent/src/protocol/methods.ts';
+import { FrameDecoder } from '../../guest-agent/src/protocol/frame-codec.ts';
+import { nameToBytes } from '../../guest-agent/src/workspace/names.ts';
 import { noopLogger, type Logger } from '../../guest-agent/src/log.ts';
 import type { z } from 'zod';
 
@@ -78,7 +81,7 @@ export class AgentClient {
     return this.connection.peer?.caps ?? {};
   }
 
-  call<M extends Exclude<MethodName, 'exec' | 'sync.read' | 'debug.echo'>>(method: M, params: ParamsOf<M>, opts?: RequestOptions): Promise<ResultOf<M>> {
+  call<M extends Exclude<MethodName, 'exec' | 'sync.read' | 'sync.changes' | 'debug.echo'>>(method: M, params: ParamsOf<M>, opts?: RequestOptions): Promise<ResultOf<M>> {
     return this.connection.request(method, params, opts);
   }
 
@@ -173,24 +176,60 @@ export class AgentClient {
     return r;
   }
 
-  /** Streams a workspace file's content from the agent. */
-  async syncRead(path: string, sink: (chunk: Uint8Array) => void | Promise<void>): Promise<number> {
+  /** Streams a workspace file's content from the agent (path as bytes, or its surrogateescape string). */
+  async syncRead(path: Uint8Array | string, sink: (chunk: Uint8Array) => void | Promise<void>): Promise<number> {
     const s = this.connection.openInbound();
-    const res = this.connection.request('sync.read', { path, stream: s.id }, { streams: [s.id] });
+    const res = this.connection.request('sync.read', { path: syncPathBytes(path), stream: s.id }, { streams: [s.id] });
     const drained = drain(s, sink);
     const [r] = await Promise.all([res, drained]);
     return r.bytes;
   }
 
   /** A workspace file's content as a stream of chunks (flow-controlled by the consumer). */
-  syncReadStream(path: string): AsyncIterable<Uint8Array> {
+  syncReadStream(path: Uint8Array | string): AsyncIterable<Uint8Array> {
     const s = this.connection.openInbound();
-    const res = this.connection.request('sync.read', { path, stream: s.id }, { streams: [s.id] });
+    const res = this.connection.request('sync.read', { path: syncPathBytes(path), stream: s.id }, { streams: [s.id] });
     res.catch(() => s.stop());
     return (async function* () {
       yield* s;
       await res; // surfaces an error from the agent after a short stream
     })();
+  }
+
+  /**
+   * What changed in the guest's workspace since `since`, delivered batch by batch to
+   * `onBatch`. The agent writes the change set on a stream; the next batch is read only
+   * after `onBatch` resolves, so a slow consumer holds the agent back instead of
+   * buffering, and no frame grows with the number of files.
+   */
+  async syncChanges(
+    params: Omit<ParamsOf<'sync.changes'>, 'stream'>,
+    onBatch: (batch: SyncChangesBatch) => void | Promise<void>,
+  ): Promise<ResultOf<'sync.changes'>> {
+    const s = this.connection.openInbound();
+    const res = this.connection.request('sync.changes', { ...params, stream: s.id }, { streams: [s.id] });
+    const consume = (async () => {
+      const records = new FrameDecoder(SYNC_RECORD_MAX_BYTES);
+      try {
+        for await (const chunk of s) {
+          for (const r of records.push(Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength))) {
+            if (!r.ok) throw r.error;
+            const batch = SyncChangesBatchSchema.safeParse(r.value);
+            if (!batch.success) throw new HutchError('internal', `invalid sync.changes record from the agent: ${batch.error.issues[0]?.message ?? ''}`);
+            await onBatch(batch.data);
+          }
+        }
+        if (records.hasPartialFrame) throw new HutchError('internal', 'sync.changes stream ended inside a record');
+      } catch (err) {
+        s.stop();
+        throw err;
+      }
+    })();
+    // The agent's error (unknown marker, ...) explains a short stream better than the stream does.
+    const [r, c] = await Promise.allSettled([res, consume]);
+    if (r.status === 'rejected') throw r.reason;
+    if (c.status === 'rejected') throw c.reason;
+    return r.value;
   }
 
   /** Sends bytes through a stream to the agent and back (tests and the protocol bench). */
@@ -210,6 +249,11 @@ export class AgentClient {
   close(): void {
     this.connection.close();
   }
+}
+
+/** Sync paths travel as bytes; a caller may name one by its surrogateescape string. */
+function syncPathBytes(p: Uint8Array | string): Uint8Array {
+  return typeof p === 'string' ? nameToBytes(p) : p;
 }
 
 async function drain(s: InboundStream, sink: ((c: Uint8Array) => void | Promise<void>) | undefined): Promise<void> {

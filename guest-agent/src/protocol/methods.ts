@@ -1,4 +1,5 @@
 import { z } from 'zod';
+import { ErrorCodeSchema } from './errors.ts';
 import { MEMORY_METHODS } from './methods-memory.ts';
 import { CallUsageSchema, TELEMETRY_EVENTS, TELEMETRY_METHODS } from './methods-telemetry.ts';
 
@@ -142,11 +143,19 @@ export const MoveParamsSchema = z.object({ from: WsPath, to: WsPath, overwrite: 
 export const MoveResultSchema = z.object({ from: z.string(), to: z.string() });
 
 // ---------- workspace sync ----------
-/** One change of a batch; `path` is workspace-relative. Each file lands atomically. */
+/**
+ * A workspace-relative path as raw bytes. File names are bytes on Linux; msgpack strings
+ * are UTF-8 and would mangle a name that is not, so sync carries names as bin end to end
+ * (guest-agent/src/workspace/names.ts maps them to strings where people see them).
+ */
+export const SyncPath = bytes.refine((b) => b.length >= 1 && b.length <= 4096 && !b.includes(0), 'a sync path is 1..4096 bytes without NUL');
+/** A symlink target, stored verbatim (bytes, never resolved). */
+const SyncTarget = bytes.refine((b) => b.length >= 1 && b.length <= 4096 && !b.includes(0), 'a symlink target is 1..4096 bytes without NUL');
+/** One change of a batch. Each file lands atomically. */
 export const SyncChangeSchema = z.discriminatedUnion('op', [
   z.object({
     op: z.literal('write'),
-    path: WsPath,
+    path: SyncPath,
     mode,
     mtimeMs: z.number().optional(),
     /** Inline content, or */
@@ -154,43 +163,63 @@ export const SyncChangeSchema = z.discriminatedUnion('op', [
     /** a stream (listed in the request's streams) carrying it, for files above the frame size. */
     stream: streamId.optional(),
   }),
-  z.object({ op: z.literal('mkdir'), path: WsPath, mode }),
-  z.object({ op: z.literal('symlink'), path: WsPath, target: z.string().min(1).max(4096).refine(noNul) }),
-  z.object({ op: z.literal('delete'), path: WsPath }),
-  z.object({ op: z.literal('chmod'), path: WsPath, mode }),
+  z.object({ op: z.literal('mkdir'), path: SyncPath, mode }),
+  z.object({ op: z.literal('symlink'), path: SyncPath, target: SyncTarget }),
+  z.object({ op: z.literal('delete'), path: SyncPath }),
+  z.object({ op: z.literal('chmod'), path: SyncPath, mode }),
 ]);
 export type SyncChange = z.infer<typeof SyncChangeSchema>;
+/** The sender bounds a batch by bytes (well under the frame limit); the count cap is a backstop. */
 export const SyncApplyParamsSchema = z.object({ changes: z.array(SyncChangeSchema).max(100_000) });
 export const SyncApplyResultSchema = z.object({
   applied: z.number().int(),
-  failed: z.array(z.object({ index: z.number().int(), path: z.string(), code: z.string(), message: z.string() })),
+  failed: z.array(z.object({ index: z.number().int(), path: bytes, code: ErrorCodeSchema, message: z.string() })),
 });
 
 export const SyncMarkParamsSchema = z.object({});
 export const SyncMarkResultSchema = z.object({ marker: z.string(), entries: z.number().int() });
 
-/** What changed since a marker; small files come inline, larger ones are fetched with sync.read. */
+/** One changed entry since a marker; small files carry their content inline, larger ones are fetched with sync.read. */
 export const SyncEntrySchema = z.object({
-  path: z.string(),
+  path: SyncPath,
   kind: z.enum(['file', 'dir', 'symlink', 'deleted']),
   mode: z.number().int().optional(),
   size: z.number().int().optional(),
   mtimeMs: z.number().optional(),
-  target: z.string().optional(),
+  target: SyncTarget.optional(),
   data: bytes.optional(),
 });
 export type SyncEntry = z.infer<typeof SyncEntrySchema>;
+/** An entry that exists but the sync cannot carry (a FIFO, socket or device; a file above the size limit). */
+export const SyncSkippedSchema = z.object({ path: SyncPath, code: ErrorCodeSchema, message: z.string() });
+export type SyncSkipped = z.infer<typeof SyncSkippedSchema>;
+/**
+ * sync.changes answers on a stream, not in its response: a change set has no size bound
+ * (npm install makes 100,000 files) while a frame has. The stream carries records, each
+ * one frame-codec frame holding a batch, sent with the stream's flow control. Deletions
+ * come first (deepest first), then everything else parents first.
+ */
+export const SyncChangesBatchSchema = z.object({ changes: z.array(SyncEntrySchema), skipped: z.array(SyncSkippedSchema) });
+export type SyncChangesBatch = z.infer<typeof SyncChangesBatchSchema>;
+/** Largest record on a sync.changes stream (a batch is cut well below it). */
+export const SYNC_RECORD_MAX_BYTES = 1024 * 1024;
 export const SyncChangesParamsSchema = z.object({
   since: z.string().min(1).max(64),
+  /** Outbound stream (agent -> broker) that carries the batches. */
+  stream: streamId,
+  /** Files up to this size come inline (capped by the agent to keep records small). */
   inlineMaxBytes: z.number().int().nonnegative().max(16 * 1024 * 1024).optional(),
+  /** Files above this size are reported as skipped (too_large) instead of listed. */
+  maxFileBytes: z.number().int().nonnegative().optional(),
 });
 export const SyncChangesResultSchema = z.object({
   marker: z.string(),
-  changes: z.array(SyncEntrySchema),
-  /** Entries that exist but cannot be synced (sockets, fifos, devices, files above the size limit). */
-  skipped: z.array(z.object({ path: z.string(), reason: z.string() })),
+  /** Entries and skipped entries sent on the stream, and the batches they came in. */
+  changes: z.number().int(),
+  skipped: z.number().int(),
+  batches: z.number().int(),
 });
-export const SyncReadParamsSchema = z.object({ path: WsPath, stream: streamId });
+export const SyncReadParamsSchema = z.object({ path: SyncPath, stream: streamId });
 export const SyncReadResultSchema = z.object({ bytes: z.number().int() });
 
 // ---------- misc ----------

@@ -1,60 +1,92 @@
-import { constants, promises as fsp, type BigIntStats } from 'node:fs';
+import { constants, fchmodSync, fchownSync, lchownSync, lstatSync, symlinkSync, type BigIntStats, type promises as fsp } from 'node:fs';
 import { randomBytes } from 'node:crypto';
 import { HutchError, toHutchError } from '../protocol/errors.ts';
-import type { ResultOf, SyncChange, SyncEntry } from '../protocol/methods.ts';
+import { encodeFrame } from '../protocol/frame-codec.ts';
+import { SYNC_RECORD_MAX_BYTES, type ResultOf, type SyncChange, type SyncChangesBatch, type SyncEntry } from '../protocol/methods.ts';
 import { writeFileAtomic } from './atomic-write.ts';
 import type { Workspace } from './confine.ts';
+import { nameFromBytes, nameToBytes } from './names.ts';
+import { at, closeQuietly, lstatAt, mkdirAt, openDirAt, openFileAt, readlinkAt, removeTreeAt, renameAt, unlinkAt } from './fd-path.ts';
+import { closeSyncParent, openSyncParent, openSyncRoot, readSmallFile, splitSyncPath, SyncParentCache } from './sync-path.ts';
 import { walk } from './walk.ts';
 
 /**
- * Workspace sync primitives. The host workspace is the source of truth: the broker
- * pushes it into the guest with `apply`, and after each call asks what changed since the
- * marker it took (`mark`/`changes`) and pulls that back. Both directions apply through
- * this module, so both get the same guarantees: every file lands atomically, symlinks are
- * stored as symlinks and never followed, and nothing outside the workspace is touched.
+ * Workspace sync primitives of the agent. The host workspace is the source of truth: the
+ * broker pushes it into the guest with `apply`, and after each call asks what changed
+ * since the marker it took (`mark`/`changes`) and pulls that back. Names are bytes
+ * throughout (a file need not have a UTF-8 name); manifests key them by their
+ * surrogateescape string (names.ts), which maps bytes one to one.
  */
 
 export interface ManifestEntry {
-  kind: 'file' | 'dir' | 'symlink';
+  kind: 'file' | 'dir' | 'symlink' | 'other';
   size: number;
   mtimeNs: bigint;
   ino: bigint;
   mode: number;
-  target?: string;
+  target?: Buffer;
 }
+/** Keyed by the surrogateescape form of the name (nameToBytes gives the bytes back); no Buffer per entry, to stay small at 100,000 files. */
 export type Manifest = Map<string, ManifestEntry>;
 
 export interface SyncOptions {
   owner?: { uid: number; gid: number } | undefined;
   durable?: boolean;
-  /** Files larger than this are reported as skipped instead of synced. */
-  maxFileBytes?: number;
-  /** Markers kept; older ones are forgotten (a pull against them falls back to a full diff). */
+  /** Markers kept; older ones are forgotten (a pull against them is refused as not_found). */
   keepMarkers?: number;
 }
 
 export type ContentSource = (change: Extract<SyncChange, { op: 'write' }>) => Uint8Array | AsyncIterable<Uint8Array>;
 
+/** Something that takes change-set records with back-pressure (the sync.changes outbound stream). */
+export interface RecordSink {
+  write(chunk: Uint8Array): Promise<void>;
+}
+
+export interface ChangesOptions {
+  /** Files up to this size travel inline. */
+  inlineMaxBytes: number;
+  /** Files above this size are reported as too_large instead of listed. */
+  maxFileBytes?: number | undefined;
+}
+
+/** Inline data per record; with one more entry at most, records stay far below SYNC_RECORD_MAX_BYTES. */
+const BATCH_TARGET_BYTES = 256 * 1024;
+/** A single inline file never exceeds this, whatever the broker asks. */
+const INLINE_CAP_BYTES = 256 * 1024;
+/** Estimated msgpack overhead of one entry besides its path, target and data. */
+const ENTRY_OVERHEAD_BYTES = 96;
+
 export class WorkspaceSync {
   private readonly markers = new Map<string, Manifest>();
+  private readonly rootBytes: Buffer;
 
   constructor(
     readonly ws: Workspace,
     private readonly opts: SyncOptions = {},
-  ) {}
+  ) {
+    this.rootBytes = Buffer.from(ws.root);
+  }
 
   /** Applies a batch in order; a failed entry is reported and the rest still applied. */
   async apply(changes: SyncChange[], content: ContentSource): Promise<ResultOf<'sync.apply'>> {
     let applied = 0;
     const failed: ResultOf<'sync.apply'>['failed'] = [];
-    for (const [index, c] of changes.entries()) {
-      try {
-        await this.applyOne(c, content);
-        applied++;
-      } catch (err) {
-        const e = toHutchError(err, { path: c.path });
-        failed.push({ index, path: c.path, code: e.code, message: e.message });
+    const rootFd = openSyncRoot(this.ws.root);
+    const parents = new SyncParentCache(rootFd);
+    try {
+      for (const [index, c] of changes.entries()) {
+        try {
+          await this.applyOne(parents, c, content);
+          applied++;
+        } catch (err) {
+          const e = toHutchError(err, { path: nameFromBytes(c.path) });
+          failed.push({ index, path: c.path, code: e.code, message: e.message });
+        }
       }
+    } finally {
+      parents.close();
+      closeQuietly(rootFd);
     }
     return { applied, failed };
   }
@@ -65,91 +97,151 @@ export class WorkspaceSync {
     return { marker: this.remember(m), entries: m.size };
   }
 
-  async changes(since: string, inline: { maxBytes: number; budgetBytes: number }): Promise<ResultOf<'sync.changes'>> {
+  /**
+   * Streams what changed since `since` to `sink` as records (frame-codec frames, each a
+   * SyncChangesBatch), waiting on the sink's flow control, so a change set of any size
+   * costs bounded memory on both sides. Deletions first (deepest first), then creations
+   * parents first: applying in order never needs a directory that is not there yet.
+   */
+  async changes(since: string, opts: ChangesOptions, sink: RecordSink): Promise<ResultOf<'sync.changes'>> {
     const before = this.markers.get(since);
     if (!before) throw new HutchError('not_found', `unknown sync marker ${since}`, { marker: since });
     const now = await this.scan();
-    const skipped: Array<{ path: string; reason: string }> = [];
-    const deleted: SyncEntry[] = [];
-    const changed: SyncEntry[] = [];
-    for (const path of before.keys()) {
-      if (!now.has(path) && !hasDeletedAncestor(path, before, now)) deleted.push({ path, kind: 'deleted' });
+    const rootFd = openSyncRoot(this.ws.root);
+    const parents = new SyncParentCache(rootFd);
+    try {
+      return await this.emit(before, now, opts, sink, parents);
+    } finally {
+      parents.close();
+      closeQuietly(rootFd);
     }
-    let budget = inline.budgetBytes;
-    for (const [path, e] of now) {
-      const old = before.get(path);
-      if (old && sameEntry(old, e)) continue;
-      if (e.kind === 'file' && this.opts.maxFileBytes !== undefined && e.size > this.opts.maxFileBytes) {
-        skipped.push({ path, reason: `file of ${e.size} bytes is above the sync limit of ${this.opts.maxFileBytes}` });
-        continue;
-      }
-      const entry: SyncEntry = { path, kind: e.kind, mode: e.mode, mtimeMs: Number(e.mtimeNs / 1_000_000n) };
-      if (e.kind === 'file') {
-        entry.size = e.size;
-        if (e.size <= inline.maxBytes && e.size <= budget) {
-          const data = await this.readFile(path).catch(() => undefined);
-          if (data && data.length === e.size) {
-            entry.data = data;
-            budget -= data.length;
-          }
-        }
-      }
-      if (e.kind === 'symlink') entry.target = e.target as string;
-      changed.push(entry);
-    }
-    for (const s of this.lastScanSkipped) skipped.push(s);
-    // Deletions deepest first, then creations parents first: applying in order never
-    // needs a directory that is not there yet.
-    deleted.sort((a, b) => (a.path < b.path ? 1 : -1));
-    changed.sort((a, b) => (a.path < b.path ? -1 : 1));
-    return { marker: this.remember(now), changes: [...deleted, ...changed], skipped };
   }
 
-  /** Content of a workspace file, read without following a final symlink or blocking on a FIFO. */
-  async openFile(path: string): Promise<{ size: number; stream: AsyncIterable<Uint8Array>; close: () => Promise<void> }> {
-    const r = this.ws.resolve(path, { followFinal: false });
-    if (!r.stat?.isFile()) throw new HutchError('bad_request', `${path} is not a regular file`, { path });
-    const fh = await fsp.open(r.abs, constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK);
-    const st = await fh.stat();
+  private async emit(before: Manifest, now: Manifest, opts: ChangesOptions, sink: RecordSink, parents: SyncParentCache): Promise<ResultOf<'sync.changes'>> {
+    const inlineMax = Math.min(opts.inlineMaxBytes, INLINE_CAP_BYTES);
+    let batch: SyncChangesBatch = { changes: [], skipped: [] };
+    let batchBytes = 0;
+    const totals = { changes: 0, skipped: 0, batches: 0 };
+    const flush = async (): Promise<void> => {
+      if (batch.changes.length === 0 && batch.skipped.length === 0) return;
+      await sink.write(encodeFrame(batch, SYNC_RECORD_MAX_BYTES));
+      totals.batches++;
+      batch = { changes: [], skipped: [] };
+      batchBytes = 0;
+    };
+    const add = async (e: SyncEntry): Promise<void> => {
+      batch.changes.push(e);
+      totals.changes++;
+      batchBytes += ENTRY_OVERHEAD_BYTES + e.path.length + (e.target?.length ?? 0) + (e.data?.length ?? 0);
+      if (batchBytes >= BATCH_TARGET_BYTES) await flush();
+    };
+    const skip = async (path: Buffer, code: 'too_large' | 'unsupported_file_type', message: string): Promise<void> => {
+      batch.skipped.push({ path, code, message });
+      totals.skipped++;
+      batchBytes += ENTRY_OVERHEAD_BYTES + path.length + message.length;
+      if (batchBytes >= BATCH_TARGET_BYTES) await flush();
+    };
+
+    const gone = [...before.keys()].filter((p) => !now.has(p) && !hasDeletedAncestor(p, before, now)).sort().reverse();
+    for (const p of gone) await add({ path: nameToBytes(p), kind: 'deleted' });
+    for (const p of [...now.keys()].sort()) {
+      const e = now.get(p) as ManifestEntry;
+      const old = before.get(p);
+      if (old && sameEntry(old, e)) continue;
+      const raw = nameToBytes(p);
+      if (e.kind === 'other') {
+        await skip(raw, 'unsupported_file_type', `${p} is a FIFO, socket or device node; sync carries regular files, directories and symlinks`);
+        continue;
+      }
+      if (e.kind === 'file' && opts.maxFileBytes !== undefined && e.size > opts.maxFileBytes) {
+        await skip(raw, 'too_large', `${p} is ${e.size} bytes, above the sync limit of ${opts.maxFileBytes}`);
+        continue;
+      }
+      const entry: SyncEntry = { path: raw, kind: e.kind, mode: e.mode, mtimeMs: Number(e.mtimeNs / 1_000_000n) };
+      if (e.kind === 'file') {
+        entry.size = e.size;
+        if (e.size <= inlineMax) {
+          // A file changed since the scan goes without data: the broker then reads it as it is now.
+          const data = this.readSmall(parents, raw, inlineMax);
+          if (data && data.length === e.size) entry.data = data;
+        }
+      }
+      if (e.kind === 'symlink' && e.target) entry.target = e.target;
+      await add(entry);
+    }
+    await flush();
+    return { marker: this.remember(now), ...totals };
+  }
+
+  /** Content of a workspace file, read without following a symlink anywhere or blocking on a FIFO. */
+  async openFile(path: Uint8Array): Promise<{ size: number; stream: AsyncIterable<Uint8Array>; close: () => Promise<void> }> {
+    const parts = splitSyncPath(path);
+    const shown = nameFromBytes(path);
+    const rootFd = openSyncRoot(this.ws.root);
+    let fh: fsp.FileHandle | undefined;
+    try {
+      const dir = openSyncParent(rootFd, parts);
+      if (dir === undefined) throw new HutchError('not_found', `no such file: ${shown}`, { path: shown });
+      try {
+        fh = await openFileAt(dir, parts[parts.length - 1] as Buffer, constants.O_RDONLY | constants.O_NONBLOCK);
+      } catch (err) {
+        const code = (err as NodeJS.ErrnoException).code;
+        if (code === 'ELOOP') throw new HutchError('bad_request', `${shown} is not a regular file`, { path: shown });
+        throw toHutchError(err, { path: shown });
+      } finally {
+        closeSyncParent(dir, rootFd);
+      }
+    } finally {
+      closeQuietly(rootFd);
+    }
+    const fst = await fh.stat();
+    if (!fst.isFile()) {
+      await fh.close();
+      throw new HutchError('bad_request', `${shown} is not a regular file`, { path: shown });
+    }
+    const handle = fh;
     return {
-      size: st.size,
-      stream: fh.createReadStream({ autoClose: false, highWaterMark: 128 * 1024 }),
-      close: () => fh.close(),
+      size: fst.size,
+      stream: handle.createReadStream({ autoClose: false, highWaterMark: 128 * 1024 }),
+      close: () => handle.close(),
     };
   }
 
-  private async readFile(path: string): Promise<Buffer> {
-    const f = await this.openFile(path);
+  /** A small file's content for inlining, through its parent's fd; undefined sends the broker to sync.read. */
+  private readSmall(parents: SyncParentCache, path: Buffer, max: number): Buffer | undefined {
     try {
-      const parts: Buffer[] = [];
-      for await (const c of f.stream) parts.push(Buffer.from(c));
-      return Buffer.concat(parts);
-    } finally {
-      await f.close();
+      const parts = splitSyncPath(path);
+      const dir = parents.get(parts);
+      return dir === undefined ? undefined : readSmallFile(at(dir, parts[parts.length - 1] as Buffer), max);
+    } catch {
+      return undefined;
     }
   }
 
-  private lastScanSkipped: Array<{ path: string; reason: string }> = [];
-
   private async scan(): Promise<Manifest> {
     const m: Manifest = new Map();
-    const skipped: Array<{ path: string; reason: string }> = [];
     for await (const e of walk(this.ws.root)) {
-      let st: BigIntStats;
+      let st: BigIntStats | undefined;
       try {
-        st = await fsp.lstat(`${this.ws.root}/${e.rel}`, { bigint: true });
+        // Through the walk's held directory fd: what is stat-ed is the entry the walk listed.
+        st = lstatSync(at(e.dirFd, e.name), { bigint: true });
       } catch {
-        continue;
+        continue; // vanished while scanning: it is not there now
       }
       const base = { size: Number(st.size), mtimeNs: st.mtimeNs, ino: st.ino, mode: Number(st.mode & 0o7777n) };
-      if (st.isFile()) m.set(e.rel, { kind: 'file', ...base });
-      else if (st.isDirectory()) m.set(e.rel, { kind: 'dir', ...base });
+      const key = nameFromBytes(e.raw);
+      if (st.isFile()) m.set(key, { kind: 'file', ...base });
+      else if (st.isDirectory()) m.set(key, { kind: 'dir', ...base });
       else if (st.isSymbolicLink()) {
-        const target = await fsp.readlink(`${this.ws.root}/${e.rel}`).catch(() => undefined);
-        if (target !== undefined) m.set(e.rel, { kind: 'symlink', ...base, target });
-      } else skipped.push({ path: e.rel, reason: 'not a regular file, directory or symlink' });
+        let target: Buffer | undefined;
+        try {
+          target = readlinkAt(e.dirFd, e.name);
+        } catch {
+          continue; // replaced while scanning
+        }
+        if (target.length > 0) m.set(key, { kind: 'symlink', ...base, target });
+      } else m.set(key, { kind: 'other', ...base });
     }
-    this.lastScanSkipped = skipped;
     return m;
   }
 
@@ -161,93 +253,98 @@ export class WorkspaceSync {
     return marker;
   }
 
-  private async applyOne(c: SyncChange, content: ContentSource): Promise<void> {
+  private async applyOne(parents: SyncParentCache, c: SyncChange, content: ContentSource): Promise<void> {
     const owner = this.opts.owner;
-    switch (c.op) {
-      case 'write': {
-        const r = this.ws.resolve(c.path, { followFinal: false, missing: 'parents' });
-        if (r.rel === '') throw new HutchError('bad_request', 'cannot write the workspace root');
-        await this.clearForReplace(r.abs, r.stat, 'file');
-        await this.makeParents(r.rel, r.missingDepth - 1);
-        await writeFileAtomic(r.abs, content(c), { mode: c.mode, owner, mtimeMs: c.mtimeMs, durable: this.opts.durable ?? false });
-        return;
-      }
-      case 'mkdir': {
-        const r = this.ws.resolve(c.path, { followFinal: false, missing: 'parents' });
-        if (r.stat?.isDirectory()) {
-          await fsp.chmod(r.abs, c.mode);
+    const parts = splitSyncPath(c.path);
+    const name = parts[parts.length - 1] as Buffer;
+    const shown = nameFromBytes(c.path);
+    // Removing never creates parents; everything else does.
+    // The parent fd is the cache's (one open per directory for a batch sorted parents first).
+    const dir = parents.get(parts, c.op === 'delete' || c.op === 'chmod' ? undefined : { owner });
+    if (dir === undefined) {
+      // Behind a symlink, a file or a missing directory the entry cannot exist as named.
+      if (c.op === 'delete') return;
+      throw new HutchError('not_found', `no such file: ${shown}`, { path: shown });
+    }
+    {
+      switch (c.op) {
+        case 'write':
+          await clearForReplace(dir, name, 'file');
+          await writeFileAtomic({ dirFd: dir, name }, content(c), { mode: c.mode, owner, mtimeMs: c.mtimeMs, durable: this.opts.durable ?? false });
+          return;
+        case 'mkdir': {
+          if (!lstatAt(dir, name)?.isDirectory()) {
+            await clearForReplace(dir, name, 'dir');
+            mkdirAt(dir, name, 0o700);
+          }
+          // Mode and owner through an O_NOFOLLOW fd of the directory itself, never by path.
+          const fd = openDirAt(dir, name);
+          try {
+            fchmodSync(fd, c.mode);
+            if (owner) fchownSync(fd, owner.uid, owner.gid);
+          } finally {
+            closeQuietly(fd);
+          }
           return;
         }
-        await this.clearForReplace(r.abs, r.stat, 'dir');
-        await this.makeParents(r.rel, r.missingDepth - 1);
-        await fsp.mkdir(r.abs, { mode: c.mode });
-        await fsp.chmod(r.abs, c.mode);
-        if (owner) await fsp.chown(r.abs, owner.uid, owner.gid);
-        return;
-      }
-      case 'symlink': {
-        const r = this.ws.resolve(c.path, { followFinal: false, missing: 'parents' });
-        if (r.rel === '') throw new HutchError('bad_request', 'cannot replace the workspace root');
-        await this.clearForReplace(r.abs, r.stat, 'symlink');
-        await this.makeParents(r.rel, r.missingDepth - 1);
-        // The target is stored verbatim and never resolved here: it is data, not a path we use.
-        const tmp = `${r.abs}.hutch-${randomBytes(6).toString('hex')}.tmp`;
-        await fsp.symlink(c.target, tmp);
-        try {
-          if (owner) await fsp.lchown(tmp, owner.uid, owner.gid);
-          await fsp.rename(tmp, r.abs);
-        } catch (err) {
-          await fsp.rm(tmp, { force: true });
-          throw err;
+        case 'symlink': {
+          await clearForReplace(dir, name, 'symlink');
+          // The target is stored verbatim and never resolved here: it is data, not a path we use.
+          const tmp = Buffer.concat([Buffer.from('.'), name.subarray(0, 64), Buffer.from(`.hutch-${randomBytes(6).toString('hex')}.tmp`)]);
+          symlinkSync(Buffer.from(c.target), at(dir, tmp));
+          try {
+            if (owner) lchownSync(at(dir, tmp), owner.uid, owner.gid);
+            renameAt(dir, tmp, dir, name);
+          } catch (err) {
+            unlinkAt(dir, tmp);
+            throw err;
+          }
+          return;
         }
-        return;
-      }
-      case 'delete': {
-        let r;
-        try {
-          r = this.ws.resolve(c.path, { followFinal: false });
-        } catch (err) {
-          if (err instanceof HutchError && err.code === 'not_found') return; // already gone
-          throw err;
+        case 'delete':
+          await removeTreeAt(dir, name);
+          return;
+        case 'chmod': {
+          const st = lstatAt(dir, name);
+          if (!st) throw new HutchError('not_found', `no such file: ${shown}`, { path: shown });
+          if (st.isSymbolicLink()) return;
+          const fd = st.isDirectory() ? openDirAt(dir, name) : undefined;
+          if (fd !== undefined) {
+            try {
+              fchmodSync(fd, c.mode);
+            } finally {
+              closeQuietly(fd);
+            }
+            return;
+          }
+          const fh = await openFileAt(dir, name, constants.O_RDONLY | constants.O_NONBLOCK);
+          try {
+            await fh.chmod(c.mode);
+          } finally {
+            await fh.close();
+          }
+          return;
         }
-        if (r.rel === '') throw new HutchError('bad_request', 'cannot delete the workspace root');
-        await fsp.rm(r.abs, { recursive: true, force: true });
-        return;
-      }
-      case 'chmod': {
-        const r = this.ws.resolve(c.path, { followFinal: false });
-        if (!r.stat?.isSymbolicLink()) await fsp.chmod(r.abs, c.mode);
-        return;
       }
     }
   }
+}
 
-  /** A path changing kind (dir -> file, file -> symlink, ...) loses its old entry first. */
-  private async clearForReplace(abs: string, st: { isDirectory(): boolean } | undefined, kind: 'file' | 'dir' | 'symlink'): Promise<void> {
-    if (!st) return;
-    if (st.isDirectory()) {
-      if (kind !== 'dir') await fsp.rm(abs, { recursive: true, force: true });
-    } else if (kind === 'dir') {
-      await fsp.rm(abs, { force: true });
-    }
-  }
-
-  private async makeParents(rel: string, depth: number): Promise<void> {
-    if (depth <= 0) return;
-    const parts = rel.split('/');
-    const upto = parts.length - 1;
-    for (let i = upto - depth; i < upto; i++) {
-      const abs = this.ws.hostPath(parts.slice(0, i + 1).join('/'));
-      await fsp.mkdir(abs, { mode: 0o755 });
-      if (this.opts.owner) await fsp.chown(abs, this.opts.owner.uid, this.opts.owner.gid);
-    }
+/** A path changing kind (dir -> file, file -> symlink, ...) loses its old entry first. */
+async function clearForReplace(dir: number, name: Buffer, kind: 'file' | 'dir' | 'symlink'): Promise<void> {
+  const st = lstatAt(dir, name);
+  if (!st) return;
+  if (st.isDirectory()) {
+    if (kind !== 'dir') await removeTreeAt(dir, name);
+  } else if (kind === 'dir') {
+    unlinkAt(dir, name);
   }
 }
 
 function sameEntry(a: ManifestEntry, b: ManifestEntry): boolean {
   if (a.kind !== b.kind || a.mode !== b.mode) return false;
-  if (a.kind === 'file') return a.size === b.size && a.mtimeNs === b.mtimeNs && a.ino === b.ino;
-  if (a.kind === 'symlink') return a.target === b.target;
+  if (a.kind === 'file' || a.kind === 'other') return a.size === b.size && a.mtimeNs === b.mtimeNs && a.ino === b.ino;
+  if (a.kind === 'symlink') return Buffer.compare(a.target as Buffer, b.target as Buffer) === 0;
   return true;
 }
 

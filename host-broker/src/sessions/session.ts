@@ -10,6 +10,7 @@ import type { SandboxSpec, VmBackend, WakeInfo } from '../backends/backend.ts';
 import type { Admission } from '../admission.ts';
 import type { BrokerMetrics } from '../metrics.ts';
 import { SandboxLifecycle } from '../lifecycle/sandbox-lifecycle.ts';
+import { recoverPullJournal } from '../sync/pull-journal.ts';
 import { routeCommand } from '../router/index.ts';
 import { SerialQueue } from '../util/serial-queue.ts';
 import type { FastPathRunner } from '../tools/fastpath-runner.ts';
@@ -67,6 +68,9 @@ export class Session {
   ) {
     this.files = new FileTools(new Workspace(workspaceDir), deps.maxFileBytes ? { maxFileBytes: deps.maxFileBytes } : {});
     this.log = deps.log.child({ session: meta.id });
+    // A pull the broker was killed in the middle of is finished (committed) or dropped (not) before anything reads the workspace.
+    const recovered = recoverPullJournal(workspaceDir, stateDir);
+    if (recovered.replayed || recovered.discarded) this.log.warn('sync.pull_recovered', { ...recovered, errors: recovered.errors.slice(0, 5) });
     this.vm = new SandboxLifecycle(this.spec(), deps.backend, deps.admission, deps.metrics, this.log, { policy: deps.policy });
   }
 

@@ -1,17 +1,28 @@
 import { constants, promises as fsp } from 'node:fs';
+import { basename, dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
-import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
-import type { SyncChange, SyncEntry } from '../../../guest-agent/src/protocol/methods.ts';
+import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import type { SyncEntry } from '../../../guest-agent/src/protocol/methods.ts';
 import type { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
+import { hasEscapedBytes, nameFromBytes, nameToBytes } from '../../../guest-agent/src/workspace/names.ts';
 import type { WorkspaceSync } from '../../../guest-agent/src/workspace/sync.ts';
+import { readSmallFile } from '../../../guest-agent/src/workspace/sync-path.ts';
 import type { AgentClient } from '../agent-client.ts';
-import { diffManifests, scanTree, statEntry, type Manifest, type ManifestEntry } from './manifest.ts';
+import { diffManifests, hostPathBytes, scanTree, statEntry, type Manifest, type ManifestEntry } from './manifest.ts';
+import { PullStage, type PullError, type PullHook } from './pull-journal.ts';
 
-/** Files up to this size travel inline in the batch; larger ones on their own stream. */
+export type { PullError } from './pull-journal.ts';
+
+/** Files up to this size travel inline in a batch; larger ones on their own stream. */
 const INLINE_MAX = 256 * 1024;
-/** Inline bytes per sync.apply batch (well under the frame limit). */
+/** Estimated bytes per sync.apply batch (paths, targets, inline data): well under the 1 MiB frame limit. */
 const BATCH_BYTES = 512 * 1024;
+/** Streamed files per sync.apply batch (each holds an open file on the host). */
 const BATCH_STREAMS = 8;
+/** Estimated msgpack overhead of one change besides its path, target and data. */
+const CHANGE_OVERHEAD_BYTES = 96;
+/** Inline files of a change-set batch staged at once. */
+const STAGE_CONCURRENCY = 16;
 
 export interface PushStats {
   files: number;
@@ -25,91 +36,193 @@ export interface PullStats {
   bytes: number;
   deleted: number;
   ms: number;
+  /**
+   * Everything of this pull that did not reach the host, typed: what the sync cannot carry
+   * (`unsupported_file_type`, `too_large`), names the host cannot create (`invalid_name`,
+   * `outside_workspace`), and entries that failed to apply. The call's result carries it.
+   */
+  errors: PullError[];
+  /** The errors that are entries the sync cannot carry (type, size), as {path, reason}. */
   skipped: Array<{ path: string; reason: string }>;
+  /** The other errors (the entry was carried but could not be applied). */
   failed: Array<{ path: string; code: string; message: string }>;
 }
 
+export interface MirrorOptions {
+  /**
+   * The session's state dir (sessions/<id>/state), where a pull stages its files. Default:
+   * the `state` sibling of a session's `workspace` dir; anything else stages inside the
+   * workspace under a name scans skip.
+   */
+  stateDir?: string;
+  /** fsync staged pulls (default true). */
+  durable?: boolean;
+  /** Test hook at the pull's commit points (crash tests). */
+  hook?: PullHook;
+}
+
 type Change = Parameters<AgentClient['syncApply']>[0][number];
+type PushItem = { rel: string; remove: true } | { rel: string; remove?: false; entry: ManifestEntry };
 
 /**
  * Mirrors the host workspace (the source of truth) into a guest and the guest's changes
  * back. It remembers what the guest holds (`guestView`, entry metadata), so a push after
  * host-side edits, or after a restore from a snapshot slot, carries only what differs.
- * Both directions go through the WorkspaceSync primitives: every file lands atomically,
- * symlinks stay symlinks and are never followed.
+ * Both directions move in bounded batches whatever the number of files; a pull lands on
+ * the host atomically (pull-journal.ts). Names are bytes on the wire; `guestView` keys
+ * them by their surrogateescape strings.
  */
 export class WorkspaceMirror {
   /** What the guest's /work holds, as far as the broker knows; undefined before a push. */
   guestView: Manifest | undefined;
+  private readonly stateDir: string | undefined;
 
   constructor(
     private readonly hostWs: Workspace,
-    private readonly hostSync: WorkspaceSync,
-  ) {}
+    /** Unused since pulls are journaled here; kept so callers keep their shape. */
+    _hostSync?: WorkspaceSync,
+    private readonly opts: MirrorOptions = {},
+  ) {
+    this.stateDir = opts.stateDir ?? (basename(hostWs.root) === 'workspace' ? join(dirname(hostWs.root), 'state') : undefined);
+  }
 
   /** Makes the guest's workspace equal to the host's, sending only what differs from `guestView`. */
   async push(agent: AgentClient, only?: Iterable<string>): Promise<PushStats> {
     const t0 = performance.now();
     const before: Manifest = this.guestView ?? new Map();
+    const onlyList = only ? [...only] : undefined;
     let host: Manifest;
     let guestSubset: Manifest = before;
-    if (only && this.guestView) {
+    // A watcher's path with U+FFFD lost the name's real bytes, and a name that is not UTF-8
+    // cannot be a string path for walk(): for those only a full scan finds the entry.
+    if (onlyList && this.guestView && !onlyList.some((p) => p.includes('\ufffd') || hasEscapedBytes(p))) {
       // Only these paths (and what is under them) may have changed on the host.
       host = new Map();
       guestSubset = new Map();
-      for (const p of only) await this.scanPath(p, host, guestSubset, before);
+      for (const p of onlyList) await this.scanPath(p, host, guestSubset, before);
     } else host = await scanTree(this.hostWs.root);
     const { write, remove } = diffManifests(host, guestSubset);
-    const changes: Array<Change & { size: number }> = [];
-    for (const p of remove) changes.push({ op: 'delete', path: p, size: 0 });
-    for (const p of write) {
-      const c = await this.describe(p, host.get(p) as ManifestEntry);
-      if (c) changes.push(c);
-    }
-    const stats = await this.apply(agent, changes);
+    const items: PushItem[] = [
+      ...remove.map((rel): PushItem => ({ rel, remove: true })),
+      ...write.map((rel): PushItem => ({ rel, entry: host.get(rel) as ManifestEntry })),
+    ];
+    const { files, bytes, sent } = await this.send(agent, items);
     const view: Manifest = this.guestView ?? new Map();
-    for (const p of remove) for (const k of [...view.keys()]) if (k === p || k.startsWith(`${p}/`)) view.delete(k);
-    for (const p of write) view.set(p, host.get(p) as ManifestEntry);
+    removeWithChildren(view, new Set(remove));
+    for (const p of sent) view.set(p, host.get(p) as ManifestEntry);
     this.guestView = view;
-    return { ...stats, removed: remove.length, ms: performance.now() - t0 };
+    return { files, bytes, removed: remove.length, ms: performance.now() - t0 };
   }
 
-  /** Brings back what changed in the guest since `marker`; returns the new marker. */
+  /**
+   * Brings back what changed in the guest since `marker`, atomically: the host workspace
+   * ends as it was or with every carried change, never a mix, even if the broker dies
+   * midway. Returns the new marker and, in `stats.errors`, everything not carried.
+   */
   async pull(agent: AgentClient, marker: string, maxFileBytes: number): Promise<{ marker: string; stats: PullStats }> {
     const t0 = performance.now();
-    const r = await agent.call('sync.changes', { since: marker, inlineMaxBytes: INLINE_MAX });
-    const changes: SyncChange[] = [];
-    const skipped = [...r.skipped];
-    let files = 0;
-    let bytes = 0;
-    let deleted = 0;
-    const big = new Set<string>();
-    for (const e of r.changes) {
-      const c = toChange(e, maxFileBytes, skipped);
-      if (!c) continue;
-      if (c.op === 'delete') deleted++;
-      if (c.op === 'write') {
-        files++;
-        bytes += e.size ?? 0;
-        if (!e.data) big.add(e.path);
+    const stage = await PullStage.begin(this.hostWs.root, { stateDir: this.stateDir, durable: this.opts.durable ?? true, hook: this.opts.hook });
+    const errors: PullError[] = [];
+    const fetchLater: SyncEntry[] = [];
+    const counts = { files: 0, bytes: 0, deleted: 0 };
+    let newMarker: string;
+    try {
+      const r = await agent.syncChanges({ since: marker, inlineMaxBytes: INLINE_MAX, maxFileBytes }, async (batch) => {
+        for (const s of batch.skipped) errors.push({ path: nameFromBytes(s.path), code: s.code, message: s.message });
+        for (let i = 0; i < batch.changes.length; i += STAGE_CONCURRENCY) {
+          const part = batch.changes.slice(i, i + STAGE_CONCURRENCY);
+          await settleAll(part.map((e) => this.stageEntry(agent, stage, e, maxFileBytes, fetchLater, errors, counts)));
+        }
+      });
+      newMarker = r.marker;
+      // Files too large to inline come one by one on their own streams, after the change set.
+      for (const e of fetchLater) {
+        await this.guardEntry(agent, e, errors, async () => {
+          counts.bytes += await stage.stageFile(e.path, agent.syncReadStream(e.path), { mode: e.mode ?? 0o644, mtimeMs: e.mtimeMs, maxBytes: maxFileBytes });
+          counts.files++;
+        });
       }
-      changes.push(c);
+      if (stage.size > 0) {
+        await stage.commit();
+        const applied = await stage.apply();
+        errors.push(...applied.errors);
+        await this.noteApplied(applied.applied);
+      } else await stage.discard();
+    } catch (err) {
+      await stage.discard().catch(() => undefined);
+      throw err;
     }
-    const applied = changes.length
-      ? await this.hostSync.apply(changes, (c) => (c.data ? c.data : big.has(c.path) ? agent.syncReadStream(c.path) : new Uint8Array(0)))
-      : { applied: 0, failed: [] };
-    // The guest now holds what the host holds for these paths.
-    const view = this.guestView ?? new Map();
-    for (const c of changes) {
-      if (c.op === 'delete') {
-        for (const k of [...view.keys()]) if (k === c.path || k.startsWith(`${c.path}/`)) view.delete(k);
-        continue;
+    const carryLimits = new Set(['too_large', 'unsupported_file_type']);
+    return {
+      marker: newMarker,
+      stats: {
+        ...counts,
+        ms: performance.now() - t0,
+        errors,
+        skipped: errors.filter((e) => carryLimits.has(e.code)).map((e) => ({ path: e.path, reason: e.message })),
+        failed: errors.filter((e) => !carryLimits.has(e.code)),
+      },
+    };
+  }
+
+  private async stageEntry(
+    agent: AgentClient,
+    stage: PullStage,
+    e: SyncEntry,
+    maxFileBytes: number,
+    fetchLater: SyncEntry[],
+    errors: PullError[],
+    counts: { files: number; bytes: number; deleted: number },
+  ): Promise<void> {
+    await this.guardEntry(agent, e, errors, async () => {
+      switch (e.kind) {
+        case 'deleted':
+          stage.delete(e.path);
+          counts.deleted++;
+          return;
+        case 'dir':
+          stage.mkdir(e.path, e.mode ?? 0o755);
+          return;
+        case 'symlink':
+          if (!e.target) throw new HutchError('bad_request', `symlink ${nameFromBytes(e.path)} came without a target`);
+          await stage.stageSymlink(e.path, e.target);
+          return;
+        case 'file':
+          if ((e.size ?? 0) > maxFileBytes) throw new HutchError('too_large', `${nameFromBytes(e.path)} is ${e.size} bytes, above the sync limit of ${maxFileBytes}`);
+          if (!e.data) {
+            fetchLater.push(e);
+            return;
+          }
+          counts.bytes += await stage.stageFile(e.path, e.data, { mode: e.mode ?? 0o644, mtimeMs: e.mtimeMs, maxBytes: maxFileBytes });
+          counts.files++;
+          return;
       }
-      const e = await statEntry(this.hostWs.hostPath(c.path));
-      if (e) view.set(c.path, e);
+    });
+  }
+
+  /** One entry's failure is that entry's typed error; a dead channel or a full host disk fails the whole pull. */
+  private async guardEntry(agent: AgentClient, e: SyncEntry, errors: PullError[], fn: () => Promise<void>): Promise<void> {
+    try {
+      await fn();
+    } catch (err) {
+      const path = nameFromBytes(e.path);
+      const he = toHutchError(err, { path });
+      if (!agent.connection.isOpen || FATAL_PULL_CODES.has(he.code)) throw he;
+      errors.push({ path, code: he.code, message: he.message });
+    }
+  }
+
+  /** The guest now holds what the host holds for the applied paths. */
+  private async noteApplied(applied: Array<{ key: string; op: string }>): Promise<void> {
+    const view = this.guestView ?? new Map();
+    removeWithChildren(view, new Set(applied.filter((a) => a.op === 'delete').map((a) => a.key)));
+    for (const a of applied) {
+      if (a.op === 'delete') continue;
+      const e = await statEntry(this.hostWs.root, a.key);
+      if (e) view.set(a.key, e);
+      else view.delete(a.key);
     }
     this.guestView = view;
-    return { marker: r.marker, stats: { files, bytes, deleted, ms: performance.now() - t0, skipped, failed: applied.failed } };
   }
 
   private async scanPath(p: string, host: Manifest, guestSubset: Manifest, before: Manifest): Promise<void> {
@@ -118,7 +231,7 @@ export class WorkspaceMirror {
     for (let i = 1; i <= parts.length; i++) {
       const q = parts.slice(0, i).join('/');
       if (host.has(q) || guestSubset.has(q)) continue;
-      const e = await statEntry(this.hostWs.hostPath(q));
+      const e = await statEntry(this.hostWs.root, q);
       if (e) host.set(q, e);
       const g = before.get(q);
       if (g) guestSubset.set(q, g);
@@ -128,58 +241,60 @@ export class WorkspaceMirror {
     for (const [k, v] of before) if (k.startsWith(`${p}/`)) guestSubset.set(k, v);
   }
 
-  private async apply(agent: AgentClient, changes: Array<Change & { size: number }>): Promise<{ files: number; bytes: number }> {
+  /** Sends a push plan in batches bounded by bytes and streams; contents are read only as their batch fills. */
+  private async send(agent: AgentClient, items: PushItem[]): Promise<{ files: number; bytes: number; sent: string[] }> {
     let files = 0;
     let bytes = 0;
+    const sent: string[] = [];
     let batch: Change[] = [];
+    let batchPaths: string[] = [];
     let batchBytes = 0;
     let streams = 0;
     const flush = async () => {
       if (batch.length === 0) return;
       const r = await agent.syncApply(batch);
       if (r.failed.length) {
-        const f = r.failed[0] as { path: string; code: string; message: string };
-        throw new HutchError('internal', `workspace push failed for ${r.failed.length} entries, first ${f.path}: ${f.code} ${f.message}`, { failed: r.failed.length });
+        const f = r.failed[0] as { path: Uint8Array; code: string; message: string };
+        throw new HutchError('internal', `workspace push failed for ${r.failed.length} entries, first ${nameFromBytes(f.path)}: ${f.code} ${f.message}`, { failed: r.failed.length });
       }
+      sent.push(...batchPaths);
       batch = [];
+      batchPaths = [];
       batchBytes = 0;
       streams = 0;
     };
-    for (const c of changes) {
-      const { size, ...change } = c;
-      if (c.op === 'write') {
+    for (const item of items) {
+      const path = nameToBytes(item.rel);
+      const change = item.remove ? ({ op: 'delete', path } as Change) : await this.describe(item.rel, path, item.entry);
+      if (!change) continue;
+      const streamed = 'source' in change;
+      const size = 'data' in change && change.data ? change.data.length : 0;
+      const cost = CHANGE_OVERHEAD_BYTES + path.length + ('target' in change ? change.target.length : 0) + size;
+      if (batch.length > 0 && (batchBytes + cost > BATCH_BYTES || (streamed && streams >= BATCH_STREAMS))) await flush();
+      if (change.op === 'write') {
         files++;
-        bytes += size;
-        if ('source' in c) {
-          if (streams >= BATCH_STREAMS) await flush();
-          streams++;
-        } else {
-          if (batchBytes + size > BATCH_BYTES) await flush();
-          batchBytes += size;
-        }
+        bytes += streamed ? (item.remove ? 0 : item.entry.size) : size;
       }
+      if (streamed) streams++;
       batch.push(change);
-      if (batch.length >= 2000) await flush();
+      batchPaths.push(item.rel);
+      batchBytes += cost;
     }
     await flush();
-    return { files, bytes };
+    return { files, bytes, sent };
   }
 
-  private async describe(rel: string, e: ManifestEntry): Promise<(Change & { size: number }) | undefined> {
-    const abs = this.hostWs.hostPath(rel);
-    if (e.kind === 'dir') return { op: 'mkdir', path: rel, mode: e.mode, size: 0 };
-    if (e.kind === 'symlink') return { op: 'symlink', path: rel, target: e.target as string, size: 0 };
+  private async describe(rel: string, path: Buffer, e: ManifestEntry): Promise<Change | undefined> {
+    if (e.kind === 'dir') return { op: 'mkdir', path, mode: e.mode };
+    if (e.kind === 'symlink') return { op: 'symlink', path, target: nameToBytes(e.target as string) };
+    const abs = hostPathBytes(this.hostWs.root, rel);
     if (e.size <= INLINE_MAX) {
-      const fh = await fsp.open(abs, constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK).catch(() => undefined);
-      if (!fh) return undefined; // vanished or replaced by a link since the scan: the next push sees it
-      try {
-        const data = await fh.readFile();
-        return { op: 'write', path: rel, mode: e.mode, mtimeMs: e.mtimeMs, data, size: data.length };
-      } finally {
-        await fh.close();
-      }
+      // Small files are read synchronously: a push may carry 100,000 of them.
+      const data = readSmallFile(abs, INLINE_MAX);
+      return data ? { op: 'write', path, mode: e.mode, mtimeMs: e.mtimeMs, data } : undefined;
     }
-    const fh = await fsp.open(abs, constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK);
+    const fh = await fsp.open(abs, constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK).catch(() => undefined);
+    if (!fh) return undefined; // vanished or replaced by a link since the scan: the next push sees it
     const source = (async function* () {
       try {
         for await (const c of fh.createReadStream({ autoClose: false, highWaterMark: 128 * 1024 })) yield c as Buffer;
@@ -187,23 +302,28 @@ export class WorkspaceMirror {
         await fh.close();
       }
     })();
-    return { op: 'write', path: rel, mode: e.mode, mtimeMs: e.mtimeMs, source, size: e.size };
+    return { op: 'write', path, mode: e.mode, mtimeMs: e.mtimeMs, source };
   }
 }
 
-function toChange(e: SyncEntry, maxFileBytes: number, skipped: Array<{ path: string; reason: string }>): SyncChange | undefined {
-  switch (e.kind) {
-    case 'deleted':
-      return { op: 'delete', path: e.path };
-    case 'dir':
-      return { op: 'mkdir', path: e.path, mode: e.mode ?? 0o755 };
-    case 'symlink':
-      return { op: 'symlink', path: e.path, target: e.target ?? '' };
-    case 'file':
-      if ((e.size ?? 0) > maxFileBytes) {
-        skipped.push({ path: e.path, reason: `file of ${e.size} bytes is above the limit of ${maxFileBytes}` });
-        return undefined;
+/** Errors that mean the pull as a whole cannot be trusted: it is discarded and the call fails. */
+const FATAL_PULL_CODES = new Set(['no_space', 'connection_closed', 'guest_crashed', 'cancelled', 'timeout']);
+
+/** Waits for every promise, then throws the first failure (none is left running behind the throw). */
+async function settleAll(ps: Array<Promise<void>>): Promise<void> {
+  const rs = await Promise.allSettled(ps);
+  for (const r of rs) if (r.status === 'rejected') throw r.reason;
+}
+
+/** Removes the given paths and everything under them from a manifest, in one pass. */
+function removeWithChildren(view: Manifest, gone: Set<string>): void {
+  if (gone.size === 0) return;
+  for (const k of [...view.keys()]) {
+    for (let i = k.length; i > 0; i = k.lastIndexOf('/', i - 1)) {
+      if (gone.has(k.slice(0, i))) {
+        view.delete(k);
+        break;
       }
-      return { op: 'write', path: e.path, mode: e.mode ?? 0o644, ...(e.mtimeMs !== undefined ? { mtimeMs: e.mtimeMs } : {}), ...(e.data ? { data: e.data } : {}) };
+    }
   }
 }
