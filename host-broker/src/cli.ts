@@ -217,7 +217,10 @@ async function main(): Promise<void> {
   const ready = `${JSON.stringify({ url, port: broker.port, host: values.host, dataDir, ...(tokenGiven ? {} : { token }) })}\n`;
   if (values['ready-fd'] !== undefined) writeReadyFd(values['ready-fd'], ready);
   if (values['ready-json']) process.stdout.write(ready);
-  else process.stdout.write(`hutch broker on ${url}  token ${tokenGiven ? '(as given)' : token}  data ${dataDir}\n`);
+  else {
+    const who = tokens ? `principals ${Object.keys(tokens).join(', ')}${givenToken ? ' and default' : ''}` : `token ${tokenGiven ? '(as given)' : token}`;
+    process.stdout.write(`hutch broker on ${url}  ${who}  data ${dataDir}\n`);
+  }
   let stopping = false;
   const stop = async (sig: string) => {
     if (stopping) return;

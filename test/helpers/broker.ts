@@ -32,6 +32,8 @@ export async function startBroker(
     tokens?: Record<string, string>;
     workspaceRoots?: string[];
     limits?: Partial<WsLimits>;
+    /** A second, token-less listener for /metrics. */
+    metricsListen?: { host: string; port: number };
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
@@ -52,6 +54,7 @@ export async function startBroker(
     ...(o.tokens ? { tokens: o.tokens } : {}),
     ...(o.workspaceRoots ? { workspaceRoots: o.workspaceRoots } : {}),
     ...(o.limits ? { limits: o.limits } : {}),
+    ...(o.metricsListen ? { metricsListen: o.metricsListen } : {}),
   });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;

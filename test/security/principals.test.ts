@@ -28,7 +28,7 @@ describe('principals and what a session belongs to', () => {
     execFileSync('mkfifo', [join(allowed, 'proj', 'fifo')]);
     execFileSync('mknod', [join(allowed, 'proj', 'zero'), 'c', '1', '5']);
     writeFileSync(join(roots, 'outside.txt'), 'not for tenants\n');
-    b = await startBroker({ tokens: { alice: ALICE, bob: BOB }, workspaceRoots: [allowed] });
+    b = await startBroker({ tokens: { alice: ALICE, bob: BOB }, workspaceRoots: [allowed], metricsListen: { host: '127.0.0.1', port: 0 } });
     alice = await Hutch.connect(b.url, { token: ALICE });
     bob = await Hutch.connect(b.url, { token: BOB });
   });
@@ -70,7 +70,7 @@ describe('principals and what a session belongs to', () => {
     alice.close();
     bob.close();
     await b.stop({ keepData: true });
-    b = await startBroker({ dataDir: b.dataDir, tokens: { alice: ALICE, bob: BOB }, workspaceRoots: [allowed] });
+    b = await startBroker({ dataDir: b.dataDir, tokens: { alice: ALICE, bob: BOB }, workspaceRoots: [allowed], metricsListen: { host: '127.0.0.1', port: 0 } });
     alice = await Hutch.connect(b.url, { token: ALICE });
     bob = await Hutch.connect(b.url, { token: BOB });
     expect((await alice.attach(sa.id)).id).toBe(sa.id);
@@ -131,6 +131,10 @@ describe('principals and what a session belongs to', () => {
     const ok = await fetch(`${b.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${BOB}` } });
     expect(ok.status).toBe(200);
     expect(await ok.text()).toMatch(/^hutch_sessions \d+$/m);
+    // The operator's separate scrape listener needs no token.
+    const side = await fetch(`http://127.0.0.1:${b.broker.metricsPort}/metrics`);
+    expect(side.status).toBe(200);
+    expect(await side.text()).toMatch(/^hutch_sessions \d+$/m);
     expect(sampled).toBe(0);
   });
 });
