@@ -1,6 +1,7 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import type { AddressInfo } from 'node:net';
-import { readFileSync } from 'node:fs';
+import { readFileSync, realpathSync } from 'node:fs';
+import { join, resolve } from 'node:path';
 import type { z } from 'zod';
 import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
@@ -42,6 +43,16 @@ export interface BrokerOptions {
   /** Routing, wake and release policy (default: level 4 with the cost model). */
   policy?: Partial<SandboxPolicy>;
   admission?: Partial<AdmissionOptions>;
+}
+
+/** Host locations an answer must not name: the data dir (as given and resolved) and the cache under HOME. */
+function hostPaths(dataDir: string): Array<{ path: string; as: string }> {
+  const out = new Map<string, string>();
+  for (const p of [dataDir, resolve(dataDir), realpathSync(dataDir)]) if (p.length > 1) out.set(p.replace(/\/+$/, ''), '<data-dir>');
+  const cache = process.env['HUTCH_CACHE'] ?? (process.env['HOME'] ? join(process.env['HOME'], '.cache', 'hutch') : undefined);
+  if (cache) out.set(cache, '<cache>');
+  // Longest first, so a data dir inside the cache (or the reverse) is replaced whole.
+  return [...out.entries()].sort((a, b) => b[0].length - a[0].length).map(([path, as]) => ({ path, as }));
 }
 
 /** The broker's version (package.json), told to clients in the hello frame. */
@@ -142,6 +153,7 @@ export class Broker {
       principals: this.principals,
       log: this.opts.log,
       ...(this.opts.limits ? { limits: this.opts.limits } : {}),
+      redactPaths: hostPaths(this.opts.dataDir),
       hello: {
         backend: this.opts.backend.name,
         ...(this.opts.backend.accel ? { accel: this.opts.backend.accel } : {}),

@@ -57,6 +57,11 @@ export interface WsServerOptions {
   /** Plain-HTTP routes served beside the WebSocket (e.g. /metrics, /healthz); `principal` when the request carried a valid token. */
   http?: (req: IncomingMessage, res: ServerResponse, principal: string | undefined) => boolean | Promise<boolean>;
   limits?: Partial<WsLimits>;
+  /**
+   * Host directories whose paths must not reach clients (the data dir, the cache): in error
+   * answers they are replaced by a placeholder, wherever the error came from.
+   */
+  redactPaths?: ReadonlyArray<{ path: string; as: string }>;
 }
 
 /** Bytes queued on a socket before streamed output waits for the client. */
@@ -111,9 +116,41 @@ export class WsServer {
     this.wss.on('connection', (ws, req) => this.onConnection(ws, req));
   }
 
+  /** Unfinished requests over all connections. */
+  private inflightTotal = 0;
+
   /** Sockets not (yet) an authenticated WebSocket, for tests and metrics. */
   get unauthenticated(): number {
     return this.pending.size;
+  }
+
+  /** Open authenticated WebSockets. */
+  get connections(): number {
+    let n = 0;
+    for (const c of this.perPrincipal.values()) n += c;
+    return n;
+  }
+
+  /** Requests received and not yet answered, over all connections. */
+  get inflight(): number {
+    return this.inflightTotal;
+  }
+
+  /** An error as the client may see it: host paths replaced (logs keep them). */
+  private redact<T>(value: T): T {
+    const rules = this.opts.redactPaths;
+    if (!rules?.length) return value;
+    const scrub = (v: unknown): unknown => {
+      if (typeof v === 'string') {
+        let out = v;
+        for (const r of rules) out = out.split(r.path).join(r.as);
+        return out;
+      }
+      if (Array.isArray(v)) return v.map(scrub);
+      if (v && typeof v === 'object' && !(v instanceof Uint8Array)) return Object.fromEntries(Object.entries(v).map(([k, x]) => [k, scrub(x)]));
+      return v;
+    };
+    return scrub(value) as T;
   }
 
   private onSocket(socket: Socket): void {
@@ -207,6 +244,7 @@ export class WsServer {
       }
       const ac = new AbortController();
       inflight.set(id, ac);
+      this.inflightTotal++;
       // Back-pressure: stop reading this socket while it has many unfinished requests (its
       // sender then waits on TCP), so its traffic queues there, not in the broker.
       if (inflight.size >= maxInflight && !ws.isPaused) {
@@ -232,10 +270,11 @@ export class WsServer {
         (err: unknown) => {
           const e = toHutchError(err);
           if (e.code === 'internal') log.error('op.failed', { op, error: e.message, stack: (err as Error).stack });
-          send({ t: 'res', id, e: e.toWire() }, isBinary);
+          send({ t: 'res', id, e: this.redact(e.toWire()) }, isBinary);
         },
       ).finally(() => {
         inflight.delete(id);
+        this.inflightTotal--;
         if (ws.isPaused && inflight.size <= maxInflight / 2) ws.resume();
       });
     });

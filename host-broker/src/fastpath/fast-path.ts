@@ -13,7 +13,7 @@ import { createLogger, type Logger } from '../../../guest-agent/src/log.ts';
 import { runProcess, type RunResult } from '../../../guest-agent/src/process/run-process.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
-import { bwrapArgv, probeHostLayout, SANDBOX_WORKSPACE, type HostLayout } from './bwrap-argv.ts';
+import { bwrapArgv, probeHostLayout, SANDBOX_HOME, SANDBOX_WORKSPACE, type HostLayout } from './bwrap-argv.ts';
 import { createLimiter, type LimitDescription, type LimitMechanism, type Limiter, type RunLimitReport } from './limits.ts';
 import { createSandboxEtc, type SandboxEtc, type SandboxIdentity } from './sandbox-etc.ts';
 import { seccompFilter } from './seccomp-filter.ts';
@@ -28,6 +28,11 @@ export interface FastPathRequest {
   cwd?: string | undefined;
   /** Added to (and overriding) the sandbox's default environment. */
   env?: Record<string, string> | undefined;
+  /**
+   * A host directory to bind writable at /home/tenant and use as HOME (the unsafe-local
+   * backend's persistent home); without it HOME is the private /tmp.
+   */
+  home?: string | undefined;
   stdin?: Uint8Array | undefined;
   timeoutMs?: number | undefined;
   /** Per stream; the rest is counted and dropped. */
@@ -91,6 +96,29 @@ const BASE_ENV: Record<string, string> = {
   PAGER: 'cat',
   GIT_PAGER: 'cat',
   GIT_TERMINAL_PROMPT: '0',
+};
+/**
+ * git in a fast-path run cannot start programs through the keys that can be pinned from
+ * outside (command-line scope outranks the repository's config): no fsmonitor, no hooks,
+ * no pager, no signature checks, and no optional index write (which would also make
+ * `git status` a writer). Keys with repository-chosen names (textconv, filters, diff
+ * drivers, diff.external) cannot be pinned: the router sends such repositories to the VM
+ * (router/git-config.ts). Not applied to unsafe-local calls (`home`), which stand for the VM.
+ */
+const GIT_PINNED: Record<string, string> = {
+  GIT_CONFIG_NOSYSTEM: '1',
+  GIT_OPTIONAL_LOCKS: '0',
+  GIT_CONFIG_COUNT: '5',
+  GIT_CONFIG_KEY_0: 'core.fsmonitor',
+  GIT_CONFIG_VALUE_0: 'false',
+  GIT_CONFIG_KEY_1: 'core.hooksPath',
+  GIT_CONFIG_VALUE_1: '/dev/null',
+  GIT_CONFIG_KEY_2: 'core.pager',
+  GIT_CONFIG_VALUE_2: 'cat',
+  GIT_CONFIG_KEY_3: 'log.showSignature',
+  GIT_CONFIG_VALUE_3: 'false',
+  GIT_CONFIG_KEY_4: 'core.sshCommand',
+  GIT_CONFIG_VALUE_4: 'false',
 };
 const SHELL = '/bin/sh';
 const MAX_COMMAND_BYTES = 1024 * 1024;
@@ -156,7 +184,7 @@ export class FastPath {
   async run(req: FastPathRequest): Promise<FastPathResult> {
     if (this.closed) throw new HutchError('unavailable', 'the fast path is closed');
     const { workspace, cwd } = checkRequest(req);
-    const env = { ...BASE_ENV, ...req.env };
+    const env = req.home !== undefined ? { ...BASE_ENV, HOME: SANDBOX_HOME, ...req.env } : { ...BASE_ENV, ...req.env, ...GIT_PINNED };
     const slot = await this.limiter.acquire();
     // Start inside the slot by the cheapest safe way: the helper's fork from inside it, else the `sh` step.
     const cgroupTasks = this.spawner.threadEntry ? slot.threadEntry : undefined;
@@ -173,6 +201,7 @@ export class FastPath {
         layout: this.layout,
         tmpBytes: this.opts.tmpBytes,
         command: req.command,
+        home: req.home,
       });
       const running = this.spawner.run(
         {
