@@ -89,7 +89,7 @@ await hutch.telemetry({
 });
 
 step('what the broker counted (/metrics excerpt)');
-const metrics = await (await fetch(`${url.replace('ws:', 'http:')}/metrics`)).text();
+const metrics = await (await fetch(`${url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${token}` } })).text();
 for (const line of metrics.split('\n')) if (/^hutch_(calls_total|wakes_total|releases_total)\{/.test(line)) process.stdout.write(`${line}\n`);
 
 for (const sb of sandboxes) await sb.close();

@@ -53,7 +53,7 @@ describe('sandbox lifecycle with real VMs', { tags: ['vm'] }, () => {
     expect(set.stdout).toBe('dev@example.com\n');
     await sb.hint('idle'); // release now rather than after the idle window
     await waitFor(async () => !(await hutch.sessions()).find((x) => x.session === sb.id)?.live);
-    const metrics = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`)).text();
+    const metrics = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${b.token}` } })).text();
     expect(metrics).toMatch(/hutch_releases_total\{decision="snapshot"\} [1-9]/);
     const again = await sb.run('git config --global user.email');
     expect(again.woke).toBe(true);
@@ -92,7 +92,7 @@ describe('sandbox lifecycle with real VMs', { tags: ['vm'] }, () => {
   }, 600_000);
 
   it('exports per-call records on /metrics', async () => {
-    const text = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`)).text();
+    const text = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${b.token}` } })).text();
     expect(text).toMatch(/hutch_calls_total\{tool="bash",route="vm",outcome="ok"\} \d+/);
     expect(text).toMatch(/hutch_wakes_total\{how="pristine-restore"\} \d+/);
     expect(text).toMatch(/hutch_sync_bytes_total\{direction="push"\} \d+/);

@@ -127,7 +127,7 @@ describe('levels with real VMs', { tags: ['vm'] }, () => {
     // The scrape samples VMs before it prints counters, so poll until both show the release.
     for (let i = 0; i < 120 && !/hutch_guest_vms\{state="reclaimed"\} 1/.test(text); i++) {
       await new Promise((r) => setTimeout(r, 1000));
-      text = await (await fetch(metricsUrl)).text();
+      text = await (await fetch(metricsUrl, { headers: { authorization: `Bearer ${b.token}` } })).text();
     }
     expect(text).toMatch(/hutch_releases_total\{decision="reclaim"\} 1/);
     expect(text).toMatch(/hutch_guest_vms\{state="reclaimed"\} 1/);
@@ -141,7 +141,7 @@ describe('levels with real VMs', { tags: ['vm'] }, () => {
     const after = await sb.run('pgrep -c python3', { route: 'vm' });
     expect(after.woke).toBe(true);
     expect(after.stdout.trim()).toBe('1');
-    text = await (await fetch(metricsUrl)).text();
+    text = await (await fetch(metricsUrl, { headers: { authorization: `Bearer ${b.token}` } })).text();
     expect(text).toMatch(/hutch_wakes_total\{how="reclaimed-prefetch"\} 1/);
     await sb.close();
   }, 900_000);
@@ -154,7 +154,7 @@ describe('levels with real VMs', { tags: ['vm'] }, () => {
     const r = await sb.run('cat /proc/uptime');
     expect(r.exitCode).toBe(0);
     expect(r.route).toBe('vm');
-    const metrics = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`)).text();
+    const metrics = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${b.token}` } })).text();
     expect(metrics).toMatch(/hutch_wakes_total\{how="cold-boot"\} 1/);
     const again = await sb.run('cat /proc/uptime');
     expect(again.woke).toBe(false);

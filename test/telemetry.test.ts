@@ -63,7 +63,7 @@ describe('telemetry from a real VM', { tags: ['vm'] }, () => {
     expect(sample?.processes.some((p) => p.comm === 'sleep' && !p.agent)).toBe(true);
     expect(sample?.psiMemory).toBeDefined();
 
-    const metrics = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`)).text();
+    const metrics = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${b.token}` } })).text();
     expect(metrics).toMatch(/hutch_call_major_faults_count [1-9]/);
     expect(metrics).toMatch(/hutch_guest_memory_bytes\{kind="total"\} [1-9]/);
     expect(metrics).toMatch(/hutch_guest_process_rss_bytes\{comm="sleep"\} [1-9]/);

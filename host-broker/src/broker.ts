@@ -208,9 +208,9 @@ export class Broker {
     this.metrics.admissionWaiting.set({ kind: 'vm_call' }, this.admission.vmCalls.waiting);
     this.metrics.setGuestGauges(
       all.map((s) => {
-        const last = this.lastSamples.get(s.id);
-        if (!s.vm.live) return { vm: 'none' as const };
-        return { vm: last?.vm === 'reclaimed' ? ('reclaimed' as const) : ('live' as const), sample: last?.sample };
+        const vm = s.vm.vmState;
+        // A reclaimed VM's last sample is stale (its memory has moved since): state only.
+        return vm === 'live' ? { vm, sample: this.lastSamples.get(s.id)?.sample } : { vm };
       }),
     );
     const text = await this.metrics.text();

@@ -79,6 +79,11 @@ export class SandboxLifecycle {
     return this.sandbox !== undefined;
   }
 
+  /** The VM's state as the broker knows it, without asking the guest (what /metrics reports). */
+  get vmState(): 'none' | 'live' | 'reclaimed' {
+    return this.sandbox === undefined ? 'none' : this.reclaimed ? 'reclaimed' : 'live';
+  }
+
   homeChanges(): boolean | string[] {
     // A session with a slot has state in HOME even while no VM runs.
     return this.sandbox?.homeChanges() ?? (this.slots.current() ? true : false);

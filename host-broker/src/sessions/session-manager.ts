@@ -62,6 +62,7 @@ export class SessionManager {
       if (!existsSync(metaPath)) continue;
       try {
         const { owner, ...meta } = JSON.parse(readFileSync(metaPath, 'utf8')) as StoredMeta;
+        chmodSync(join(this.root, id), 0o700); // made by an older broker, maybe with a looser mode
         // Sessions from before principals existed belong to the single-token principal.
         this.owners.set(id, owner ?? DEFAULT_PRINCIPAL);
         this.sessions.set(id, this.make(meta));
