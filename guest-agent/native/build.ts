@@ -26,9 +26,13 @@ export const MADVISE_HELPER_IN_GUEST = '/opt/hutch/hutch-madvise';
 /** hutch-spawn: starts tenant commands inside the workload cgroup (guest-agent/src/process/exec-handler.ts). */
 export const SPAWN_HELPER_IN_GUEST = '/opt/hutch/hutch-spawn';
 
+/** hutch-resume: after a restore, reseeds the kernel CRNG and sets the clock (guest-agent/src/resume.ts). */
+export const RESUME_HELPER_IN_GUEST = '/opt/hutch/hutch-resume';
+
 const HELPERS = [
   { src: 'hutch-madvise.c', dest: MADVISE_HELPER_IN_GUEST },
   { src: 'hutch-spawn.c', dest: SPAWN_HELPER_IN_GUEST },
+  { src: 'hutch-resume.c', dest: RESUME_HELPER_IN_GUEST },
 ];
 
 export async function buildNativeHelpers(outDir: string): Promise<NativeHelper[]> {

@@ -1,59 +1,63 @@
-import { appendFileSync } from 'node:fs';
+import { existsSync } from 'node:fs';
 import { runProcess } from './process/run-process.ts';
 import type { ResultOf } from './protocol/methods.ts';
 
-/** Below this the guest clock is left alone: setting it costs a process start. */
-const CLOCK_TOLERANCE_MS = 50;
-/** `date -s` is the first process after a restore: slow under TCG (empty translation cache). */
-const CLOCK_SET_TIMEOUT_MS = 20_000;
+/** The helper baked into the guest image (guest-agent/native/hutch-resume.c). */
+const RESUME_HELPER = process.env['HUTCH_RESUME_HELPER'] ?? '/opt/hutch/hutch-resume';
+/** The helper is the first process after a restore: slow under TCG (empty translation cache). */
+const RESUME_TIMEOUT_MS = 20_000;
 
 /**
  * Every VM restored from one snapshot starts with the same kernel RNG state and the
- * clock of the moment the snapshot was taken. The broker hands over entropy and its
- * time right after the restore handshake; the clock is only set when this agent owns
- * its machine (in a VM), never on a host.
+ * clock of the moment the snapshot was taken. The broker hands over entropy and its time
+ * right after the restore handshake; hutch-resume adds the entropy, forces the CRNG to
+ * reseed (a plain write to /dev/urandom would not change what clones read for up to a
+ * minute), and sets the clock. Only an agent that owns its machine (in a VM) does this,
+ * never one on a host.
  *
- * The answer says what really happened: the clock is reported set only once `date -s`
- * succeeded, and the guest's clock is read after it, so the broker can check it. The
- * broker pushes the workspace while this runs (requests are concurrent), and tenant
- * commands wait for it (`onClockPending`), so none ever sees the stale clock.
+ * The answer says what really happened: reseeded and clockSet only when the helper says
+ * so, with its reason otherwise, and the guest's clock read afterwards, so the broker
+ * can check it. The broker pushes the workspace while this runs (requests are
+ * concurrent), and tenant commands wait for it (`onClockPending`), so none sees the stale
+ * clock or the shared RNG.
  */
 export async function resumeAfterRestore(
   p: { unixTimeMs: number; entropy: Uint8Array },
   ownsMachine: boolean,
   onClockPending: (done: Promise<void>) => void,
 ): Promise<ResultOf<'agent.resume'>> {
-  const received = Date.now();
-  let reseeded = false;
-  try {
-    // Written data is mixed into the input pool: later reads differ between clones.
-    appendFileSync('/dev/urandom', p.entropy);
-    reseeded = true;
-  } catch {
-    // not fatal: a host agent may run without /dev
+  const receivedMono = process.hrtime.bigint();
+  const delta = p.unixTimeMs - Date.now();
+  if (!ownsMachine) {
+    return { clockDeltaMs: delta, clockSet: false, reseeded: false, guestNowMs: Date.now(), clockNote: "not in a VM: the clock and the RNG are the host's" };
   }
-  const delta = p.unixTimeMs - received;
-  if (!ownsMachine || Math.abs(delta) <= CLOCK_TOLERANCE_MS) {
-    return { clockDeltaMs: delta, clockSet: false, reseeded, guestNowMs: Date.now(), ...(ownsMachine ? {} : { clockNote: 'not in a VM: the clock is the host\'s' }) };
+  if (!existsSync(RESUME_HELPER)) {
+    return { clockDeltaMs: delta, clockSet: false, reseeded: false, guestNowMs: Date.now(), clockError: `${RESUME_HELPER} is missing from the guest image` };
   }
-  // The broker's time plus what has passed here since it arrived (by the monotonic clock).
-  const t0 = performance.now();
-  let stderr = '';
+  let out = '';
+  let err = '';
   const run = runProcess({
-    argv: ['date', '-u', '-s', `@${((p.unixTimeMs + (performance.now() - t0)) / 1000).toFixed(3)}`],
+    argv: [RESUME_HELPER, String(Math.round(p.unixTimeMs)), receivedMono.toString()],
     cwd: '/',
     env: { PATH: '/usr/bin:/bin' },
-    timeoutMs: CLOCK_SET_TIMEOUT_MS,
-    onStderr: (c) => void (stderr += c.toString()),
+    stdin: p.entropy,
+    timeoutMs: RESUME_TIMEOUT_MS,
+    onStdout: (c) => void (out += c.toString()),
+    onStderr: (c) => void (err += c.toString()),
   }).result;
-  const done = run.then(() => undefined, () => undefined);
-  onClockPending(done);
-  let clockError: string | undefined;
+  onClockPending(run.then(() => undefined, () => undefined));
+  let failure: string | undefined;
   try {
     const r = await run;
-    if (r.exitCode !== 0) clockError = `date -s exited ${r.exitCode ?? r.signal}${r.timedOut ? ' (timed out)' : ''}: ${stderr.trim().slice(0, 200)}`;
-  } catch (err) {
-    clockError = `date -s could not run: ${(err as Error).message}`;
+    if (r.timedOut) failure = `hutch-resume timed out after ${RESUME_TIMEOUT_MS} ms`;
+    else if (r.exitCode === 2 || r.exitCode === null) failure = `hutch-resume failed (${r.exitCode ?? r.signal}): ${err.trim().slice(0, 200)}`;
+  } catch (e) {
+    failure = `hutch-resume could not run: ${(e as Error).message}`;
   }
-  return { clockDeltaMs: delta, clockSet: clockError === undefined, reseeded, guestNowMs: Date.now(), ...(clockError ? { clockError } : {}) };
+  const reseed = /reseed=(\S+)/.exec(out)?.[1];
+  const clock = /clock=(.+)$/m.exec(out)?.[1]?.trim();
+  const reseeded = reseed === 'ok';
+  const clockSet = clock === 'ok';
+  const problems = [failure, reseeded || failure ? undefined : `reseed: ${reseed ?? 'no answer'}`, clockSet || failure ? undefined : `clock: ${clock ?? 'no answer'}`].filter(Boolean);
+  return { clockDeltaMs: delta, clockSet, reseeded, guestNowMs: Date.now(), ...(problems.length ? { clockError: problems.join('; ') } : {}) };
 }

@@ -12,6 +12,8 @@ export interface CallRecord {
   ok: boolean;
   woke: boolean;
   wakeHow?: string;
+  /** Ms from the wake's start to the end of each phase. */
+  wakePhases?: Record<string, number>;
   totalMs: number;
   addedMs: number;
   wakeMs: number;
@@ -29,6 +31,9 @@ const MAX_COMM_LABELS = 12;
  * The broker's Prometheus metrics. Label sets are bounded (tool, route, decision names),
  * never session ids, so the series count does not grow with tenants.
  */
+/** Wake phases in the order they end (resume overlaps the push). */
+const WAKE_PHASES = ['restore', 'channel', 'push', 'resume', 'mark'] as const;
+
 export class BrokerMetrics {
   readonly registry = new Registry();
   private readonly calls = new Counter({ name: 'hutch_calls_total', help: 'Tool calls by tool, route and outcome', labelNames: ['tool', 'route', 'outcome'], registers: [this.registry] });
@@ -36,6 +41,7 @@ export class BrokerMetrics {
   private readonly total = new Histogram({ name: 'hutch_call_seconds', help: 'Broker time per call', labelNames: ['route'], buckets: LATENCY_BUCKETS, registers: [this.registry] });
   private readonly queued = new Histogram({ name: 'hutch_call_queued_seconds', help: 'Time a VM call waited for admission', buckets: LATENCY_BUCKETS, registers: [this.registry] });
   readonly wakes = new Counter({ name: 'hutch_wakes_total', help: 'Sandbox wakes by how they came up', labelNames: ['how'], registers: [this.registry] });
+  readonly wakePhase = new Histogram({ name: 'hutch_wake_phase_seconds', help: 'Time in each phase of a wake (restore, channel, push, mark; resume runs beside the push and is measured from the wake start)', labelNames: ['phase'], buckets: LATENCY_BUCKETS, registers: [this.registry] });
   readonly wakeSeconds = new Histogram({ name: 'hutch_wake_seconds', help: 'Call arrival to a ready agent with the workspace pushed', labelNames: ['how'], buckets: LATENCY_BUCKETS, registers: [this.registry] });
   readonly releases = new Counter({ name: 'hutch_releases_total', help: 'Idle releases by decision', labelNames: ['decision'], registers: [this.registry] });
   readonly releaseSeconds = new Histogram({ name: 'hutch_release_seconds', help: 'Time to release an idle VM', labelNames: ['decision'], buckets: LATENCY_BUCKETS, registers: [this.registry] });
@@ -68,6 +74,16 @@ export class BrokerMetrics {
     if (r.woke) {
       this.wakes.inc({ how: r.wakeHow ?? 'unknown' });
       this.wakeSeconds.observe({ how: r.wakeHow ?? 'unknown' }, r.wakeMs / 1000);
+      // Phase durations (each phase's end minus the previous one's), a fixed label set.
+      let prev = 0;
+      for (const ph of WAKE_PHASES) {
+        const end = r.wakePhases?.[ph];
+        if (end === undefined) continue;
+        if (ph !== 'resume') {
+          this.wakePhase.observe({ phase: ph }, Math.max(0, end - prev) / 1000);
+          prev = end;
+        } else this.wakePhase.observe({ phase: ph }, end / 1000);
+      }
     }
     if (r.usage) {
       this.callFaults.observe(r.usage.majorFaults);

@@ -257,7 +257,10 @@ export class Connection extends EventEmitter {
   openInbound(): InboundStream {
     const id = this.allocStreamId();
     const s = new InboundStream(id, this.window, this.transport);
-    this.inbound.set(id, s);
+    // On a closed connection nothing will ever arrive: the stream fails at once, so a
+    // consumer that reads it before awaiting its request cannot wait forever.
+    if (this.closeError) s.fail(this.closeError);
+    else this.inbound.set(id, s);
     return s;
   }
 
@@ -266,7 +269,8 @@ export class Connection extends EventEmitter {
     const id = this.allocStreamId();
     const s = new OutboundStream(id, this.peerWindow(), this.dataChunk(), this.transport);
     s.hold();
-    this.outbound.set(id, s);
+    if (this.closeError) s.fail(this.closeError);
+    else this.outbound.set(id, s);
     return s;
   }
 
@@ -916,9 +920,12 @@ export class Connection extends EventEmitter {
     this.flushDrainWaiters();
   }
 
+  private closeError: HutchError | undefined;
+
   private shutdown(err: HutchError): void {
     if (this.isClosed) return;
     this.isClosed = true;
+    this.closeError = err;
     if (this.helloTimer) clearInterval(this.helloTimer);
     if (this.handshakeDeadline) clearTimeout(this.handshakeDeadline);
     if (this.heartbeat) clearInterval(this.heartbeat);

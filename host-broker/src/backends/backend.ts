@@ -29,6 +29,8 @@ export interface WakeInfo {
   restoreMs?: number;
   /** The guest's clock minus the host's after the restore (checked on every restore). */
   clockErrorMs?: number;
+  /** Ms from the wake's start to the end of each of its phases (restore, channel, push, resume, mark). */
+  phases?: Record<string, number>;
 }
 
 /** A snapshot of one session's VM, written at release when it changed state outside /work and /tmp. */

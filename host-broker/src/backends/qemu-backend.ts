@@ -33,6 +33,8 @@ export interface QemuBackendOptions {
   /** Largest file pulled back from a guest. */
   maxFileBytes?: number;
   tcgTbMiB?: number;
+  /** See QemuBackend.deadAfterMs. */
+  guestDeadAfterMs?: number;
   /** Use the cached guest image only (`hutch serve --no-build`). */
   noBuild?: boolean;
 }
@@ -105,27 +107,37 @@ export class QemuBackend implements VmBackend {
     const vmSpec = { id: spec.session, dir: join(this.runRoot, spec.session), image: this.image, ...size };
     const vm = opts.coldBoot && !from ? await this.driver.boot(vmSpec) : await this.driver.restore(vmSpec, { memory: pristine.memory, state: from ? from.state : pristine.state });
     const restoreMs = performance.now() - t0;
+    const phases: Record<string, number> = { restore: Math.round(restoreMs) };
+    const phase = (name: string) => void (phases[name] = Math.round(performance.now() - t0));
     let agent: AgentClient | undefined;
     try {
       // A cold-booted guest's agent waits for the broker's hello; its clock and RNG are fresh.
-      agent = await connectAgent(vm, { timeoutMs: (opts.coldBoot ? 300_000 : 15_000) * this.deadlines.scale, log: this.opts.log, deadlines: this.deadlines });
+      agent = await connectAgent(vm, {
+        timeoutMs: (opts.coldBoot ? 300_000 : 15_000) * this.deadlines.scale,
+        log: this.opts.log,
+        deadlines: this.deadlines,
+        ...(this.deadAfterMs !== undefined ? { deadAfterMs: this.deadAfterMs } : {}),
+      });
+      phase('channel');
       // Entropy and the clock go first; the push runs while the guest sets its clock.
-      const resumed = opts.coldBoot ? undefined : resumeGuest(agent);
+      const resumed = opts.coldBoot ? undefined : resumeGuest(agent).finally(() => phase('resume'));
       resumed?.catch(() => undefined);
       const hostWs = new Workspace(spec.workspaceDir);
       const mirror = new WorkspaceMirror(hostWs, new WorkspaceSync(hostWs));
       // From a slot the guest already holds the workspace as it was: push only the difference.
       if (from) mirror.guestView = manifestFromJson(readFileSync(from.manifest, 'utf8'));
       const pushed = await mirror.push(agent);
+      phase('push');
       const clock = resumed ? checkClock(await resumed, spec.session, this.opts.log) : undefined;
       const mark = await agent.call('sync.mark', {});
+      phase('mark');
       agent.workspaceEntries = mark.entries;
       const sandbox = new QemuSandbox(spec, vm, agent, mirror, mark.marker, this.opts.maxFileBytes ?? 256 * 1024 * 1024, pristine.meta.key, this.opts.log, () => this.sandboxes.delete(sandbox));
       this.sandboxes.add(sandbox);
       const wakeMs = performance.now() - t0;
       const how = from ? 'slot-restore' : opts.coldBoot ? 'cold-boot' : 'pristine-restore';
-      this.opts.log.info('vm.woke', { session: spec.session, how, wakeMs: Math.round(wakeMs), restoreMs: Math.round(restoreMs), pushedFiles: pushed.files, pushedBytes: pushed.bytes, ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
-      return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs, ...(clock ? { clockErrorMs: clock.errorMs } : {}) } };
+      this.opts.log.info('vm.woke', { session: spec.session, how, wakeMs: Math.round(wakeMs), phases, pushedFiles: pushed.files, pushedBytes: pushed.bytes, ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
+      return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs, phases, ...(clock ? { clockErrorMs: clock.errorMs } : {}) } };
     } catch (err) {
       agent?.close();
       await vm.destroy();
@@ -136,6 +148,15 @@ export class QemuBackend implements VmBackend {
   async shutdown(): Promise<void> {
     await Promise.all([...this.sandboxes].map((s) => s.close()));
     cleanupOrphans(this.runRoot, this.opts.log);
+  }
+
+  /**
+   * How long a guest may stay silent while calls wait before it counts as unresponsive
+   * (`HUTCH_GUEST_DEAD_AFTER_MS`; default: the deadline policy's, 20 s x its scale).
+   */
+  private get deadAfterMs(): number | undefined {
+    const v = this.opts.guestDeadAfterMs ?? Number(process.env['HUTCH_GUEST_DEAD_AFTER_MS'] ?? NaN);
+    return Number.isFinite(v) && v > 0 ? v : undefined;
   }
 
   /** Guest RPC deadlines: an emulated guest gets several times a KVM guest's. */
@@ -290,8 +311,8 @@ const CLOCK_TOLERANCE_MS = 2_000;
 /** Checks what the guest reported of its clock after a restore; a wrong clock is logged loudly, not hidden. */
 function checkClock(r: ResultOf<'agent.resume'>, session: string, log: Logger): { errorMs: number } {
   const errorMs = Math.round(r.guestNowMs - Date.now());
-  if (r.clockError || Math.abs(errorMs) > CLOCK_TOLERANCE_MS) {
-    log.error('vm.clock_wrong', { session, clockSet: r.clockSet, clockError: r.clockError, clockDeltaMs: Math.round(r.clockDeltaMs), guestMinusHostMs: errorMs });
+  if (r.clockError || !r.reseeded || Math.abs(errorMs) > CLOCK_TOLERANCE_MS) {
+    log.error('vm.resume_incomplete', { session, clockSet: r.clockSet, reseeded: r.reseeded, clockError: r.clockError, clockDeltaMs: Math.round(r.clockDeltaMs), guestMinusHostMs: errorMs });
   }
   return { errorMs };
 }

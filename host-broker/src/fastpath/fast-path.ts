@@ -40,6 +40,8 @@ export interface FastPathRequest {
   onStdout?(chunk: Buffer): void | Promise<void>;
   onStderr?(chunk: Buffer): void | Promise<void>;
   signal?: AbortSignal | undefined;
+  /** Receives the function that sends the running command a signal (false when it could not be delivered). */
+  onSignalable?: ((send: (sig: NodeJS.Signals) => Promise<boolean>) => void) | undefined;
 }
 
 export interface FastPathResult extends RunResult {
@@ -220,6 +222,11 @@ export class FastPath {
         },
         cgroupTasks,
       );
+      req.onSignalable?.(async (sig) => {
+        if (sig !== 'SIGKILL') return slot.signal(sig);
+        slot.kill();
+        return true;
+      });
       result = await running.result;
     } catch (err) {
       slot.kill();

@@ -84,6 +84,11 @@ export class SandboxLifecycle {
     return this.sandbox === undefined ? 'none' : this.reclaimed ? 'reclaimed' : 'live';
   }
 
+  /** The live sandbox, if any (fault injection in bench/soak.ts; nothing else should reach past the lock). */
+  liveSandbox(): Sandbox | undefined {
+    return this.sandbox;
+  }
+
   homeChanges(): boolean | string[] {
     // A session with a slot has state in HOME even while no VM runs.
     return this.sandbox?.homeChanges() ?? (this.slots.current() ? true : false);

@@ -16,6 +16,8 @@ export interface ConnectAgentOptions {
   resume?: boolean;
   /** Deadlines on every RPC and a heartbeat (see deadlines.ts); none for a one-off probe. */
   deadlines?: DeadlinePolicy;
+  /** With deadlines: how long a silent guest is given while calls wait (default from the policy). */
+  deadAfterMs?: number;
 }
 
 /**
@@ -38,6 +40,7 @@ export async function connectAgent(vm: Vm, opts: ConnectAgentOptions): Promise<A
       handshakeTimeoutMs: opts.timeoutMs,
       resendHelloMs: 250,
       ...(opts.deadlines ? { deadlines: opts.deadlines } : {}),
+      ...(opts.deadAfterMs !== undefined ? { deadAfterMs: opts.deadAfterMs } : {}),
     });
   }
   const died = vm.exited.then((e) => {

@@ -259,6 +259,10 @@ class QemuVm implements Vm {
     await this.qmp.execute('migrate', { uri: `exec:cat > ${shellQuote(stateFile)}` });
     const ev = await done;
     if (ev['status'] !== 'completed') throw new HutchError('internal', `snapshot migration ${String(ev['status'])}`, { vm: this.spec.id });
+    // "completed" means QEMU closed its end of the pipe, not that `cat` wrote it all: wait
+    // for the writer to exit before anyone reads the file or kills the VM's process group
+    // (which would kill cat too and leave a truncated state that cannot be restored).
+    await waitForChildrenGone(this.qemuPid, 30_000, this.spec.id);
     return { ms: performance.now() - t0, stateBytes: statSync(stateFile).size };
   }
 
@@ -278,4 +282,29 @@ class QemuVm implements Vm {
 
 function shellQuote(s: string): string {
   return `'${s.replace(/'/g, `'\\''`)}'`;
+}
+
+/** Pids whose parent is `pid`. */
+function childrenOf(pid: number): number[] {
+  const out: number[] = [];
+  for (const p of readdirSync('/proc')) {
+    if (!/^\d+$/.test(p)) continue;
+    try {
+      const stat = readFileSync(`/proc/${p}/stat`, 'utf8');
+      // Fields after the command (which may hold spaces and parentheses): state, ppid, ...
+      const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
+      if (ppid === pid) out.push(Number(p));
+    } catch {
+      // gone
+    }
+  }
+  return out;
+}
+
+async function waitForChildrenGone(pid: number, timeoutMs: number, vm: string): Promise<void> {
+  const deadline = Date.now() + timeoutMs;
+  while (childrenOf(pid).length > 0) {
+    if (Date.now() > deadline) throw new HutchError('internal', `the snapshot writer of VM ${vm} did not finish within ${timeoutMs} ms`, { vm });
+    await new Promise((r) => setTimeout(r, 10));
+  }
 }

@@ -29,9 +29,10 @@ export interface Pristine extends SnapshotFiles {
  * Bumped when the VM's device layout changes (a snapshot only restores into the same
  * layout), or when snapshots made before a fix cannot be trusted: 2 = memory files written
  * before restored VMs ran under the shared-RAM guard may have holes punched in them;
- * 3 = snapshots taken with the agent detached (epoch handshake).
+ * 3 = snapshots taken with the agent detached (epoch handshake); 4 = the state file's
+ * writer is waited for (before, a busy host could leave it truncated).
  */
-const LAYOUT_VERSION = 3;
+const LAYOUT_VERSION = 4;
 
 /**
  * The pristine snapshot: one VM booted to a warm, ready agent, paused, its RAM kept in a
@@ -96,6 +97,7 @@ export class SnapshotStore {
       const memory = join(dir, 'memory.img');
       const state = join(dir, 'state.bin');
       if (!existsSync(memory) || !existsSync(state) || statSync(memory).size !== meta.memoryMiB * 1024 * 1024) return undefined;
+      if (statSync(state).size !== meta.stateBytes) return undefined; // torn: rebuild rather than fail every restore
       return { meta, dir, memory, state };
     } catch {
       return undefined;
