@@ -69,11 +69,16 @@ const run = await sb.run('cat hello.txt seed.txt && python3 -c "print(6 * 7)"');
 const read = await sb.files.read('hello.txt');
 const closed = await sb.close();
 hutch.close();
-console.log(JSON.stringify({ write: info(write), run: { ...info(run), exitCode: run.exitCode, stdout: run.stdout }, read: { ...info(read), content: read.content }, closed }));
+const hello = { level: hutch.hello.policy?.level, idleMs: hutch.hello.policy?.idleMs, broker: hutch.hello.versions?.broker, limits: Object.keys(hutch.hello.limits ?? {}).length };
+console.log(JSON.stringify({ hello, write: info(write), run: { ...info(run), exitCode: run.exitCode, stdout: run.stdout }, read: { ...info(read), content: read.content }, closed }));
 `,
       );
       const out = execFileSync(process.execPath, ['harness.mjs', broker.url, broker.token], { cwd: app, encoding: 'utf8', timeout: 120_000 });
       const r = JSON.parse(out.trim().split('\n').at(-1) ?? '') as Record<string, Record<string, unknown>>;
+      // The hello tells a harness the broker's version, policy and limits.
+      const version = (JSON.parse(readFileSync(join(repo, 'package.json'), 'utf8')) as { version: string }).version;
+      expect(r['hello']).toMatchObject({ level: '4', idleMs: 5000, broker: version });
+      expect(r['hello']?.['limits']).toBeGreaterThan(0);
       expect(r['write']).toMatchObject({ route: 'inprocess' });
       expect(r['run']).toMatchObject({ exitCode: 0, stdout: 'hello from a plain .mjs\nseed\n42\n', route: 'vm' });
       expect(r['read']?.['content']).toContain('hello from a plain .mjs');

@@ -81,7 +81,14 @@ const agentTmp = join(dist, `.hutch-agent.${process.pid}.mjs`);
 await buildAgent(agentTmp);
 renameSync(agentTmp, join(dist, 'hutch-agent.mjs'));
 
-execFileSync(process.execPath, [join(root, 'node_modules/typescript/bin/tsc'), '-p', join(root, 'tsconfig.build.json')], { stdio: 'inherit' });
+try {
+  execFileSync(process.execPath, [join(root, 'node_modules/typescript/bin/tsc'), '-p', join(root, 'tsconfig.build.json')], { stdio: ['ignore', 'pipe', 'pipe'], encoding: 'utf8' });
+} catch (err) {
+  // tsc reports on stdout; `npm pack --json` owns ours, so the errors go to stderr.
+  const e = err as { stdout?: string; stderr?: string };
+  process.stderr.write(`hutch: declarations failed (tsc -p tsconfig.build.json):\n${e.stdout ?? ''}${e.stderr ?? ''}\n`);
+  process.exit(1);
+}
 // tsc keeps the sources' `.ts` specifiers in declarations; the package ships `.d.ts`
 // files, which a consumer's TypeScript finds through `.js` specifiers.
 for (const f of walk(join(dist, 'types'))) {

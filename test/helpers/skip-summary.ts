@@ -23,12 +23,13 @@ export class SkipSummary implements Reporter {
     const byReason = new Map<string, { tests: number; files: Set<string> }>();
     for (const mod of modules) {
       const file = mod.relativeModuleId;
-      const fileNote = this.notes.find((n) => n.taskId === mod.id || n.line.includes(file))?.reason;
+      // A file whose setup failed reports its tests as skipped: say so, not "skipped".
+      const fileNote = mod.state() === 'failed' ? 'not run: the file failed (its error is above)' : this.notes.find((n) => n.taskId === mod.id || n.line.includes(file))?.reason;
       for (const t of mod.children.allTests()) {
         const r = t.result();
         if (r.state !== 'skipped') continue;
         const reason =
-          this.vmReason && t.tags.includes('vm') ? `needs a microVM: ${this.vmReason}` : (r.note ?? fileNote ?? 'skipped in the test file (describe.skip / skipIf)');
+          this.vmReason && t.tags.includes('vm') ? `needs a microVM: ${this.vmReason}` : (r.note ?? fileNote ?? 'skipped in the test file (describe.skip / skipIf) or filtered out (-t, .only)');
         const e = byReason.get(reason) ?? { tests: 0, files: new Set<string>() };
         e.tests++;
         e.files.add(file);

@@ -18,6 +18,7 @@ import {
   ServerMessageSchema,
   SessionInfoSchema,
   type CallResult,
+  type ServerMessage,
   type OpName,
   type Route,
   type SessionInfo,
@@ -86,6 +87,9 @@ function callInfo(r: CallResult): CallInfo {
   return { route: r.route, reason: r.reason, addedMs: r.timing.addedMs, woke: r.woke, timing: r.timing };
 }
 
+/** The broker's first frame. */
+export type BrokerHello = Extract<ServerMessage, { t: 'hello' }>;
+
 interface Pending {
   resolve: (r: unknown) => void;
   reject: (e: HutchError) => void;
@@ -99,6 +103,8 @@ export class Hutch {
   private closedError: HutchError | undefined;
   backend = '';
   accel: string | undefined;
+  /** What the broker said on connect: its versions, policy (level, idle window), limits and this connection's principal. */
+  hello!: BrokerHello;
 
   private constructor(
     private readonly ws: WebSocket,
@@ -111,7 +117,7 @@ export class Hutch {
 
   static async connect(url: string, opts: ConnectOptions): Promise<Hutch> {
     const ws = new WebSocket(url, { headers: { authorization: `Bearer ${opts.token}` }, maxPayload: 512 * 1024 * 1024 });
-    const hello = await new Promise<{ backend: string; accel?: string }>((resolve, reject) => {
+    const hello = await new Promise<BrokerHello>((resolve, reject) => {
       const timer = setTimeout(() => {
         ws.terminate();
         reject(new HutchError('timeout', `no answer from ${url} within ${opts.timeoutMs ?? 10_000} ms`));
@@ -130,7 +136,7 @@ export class Hutch {
         try {
           const m = ServerMessageSchema.parse(JSON.parse(String(data)));
           if (m.t !== 'hello') throw new Error(`expected hello, got ${m.t}`);
-          resolve({ backend: m.backend, ...(m.accel ? { accel: m.accel } : {}) });
+          resolve(m);
         } catch (err) {
           reject(new HutchError('bad_request', `broker spoke an unexpected protocol: ${(err as Error).message}`));
         }
@@ -139,6 +145,7 @@ export class Hutch {
     const h = new Hutch(ws, (opts.encoding ?? 'msgpack') === 'msgpack');
     h.backend = hello.backend;
     h.accel = hello.accel;
+    h.hello = hello;
     return h;
   }
 
