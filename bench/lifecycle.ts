@@ -51,6 +51,15 @@ async function released(sb: Sandbox): Promise<void> {
     await new Promise((r) => setTimeout(r, 50));
   }
 }
+/** Median of each phase's end time over the wakes that reported it, in wake order. */
+function phaseMedians(samples: Array<Record<string, number>>): Record<string, number> {
+  const out: Record<string, number> = {};
+  for (const k of ['restore', 'channel', 'push', 'resume', 'mark']) {
+    const v = samples.map((x) => x[k]).filter((x): x is number => x !== undefined);
+    if (v.length) out[k] = round(median(v), 0);
+  }
+  return out;
+}
 const lastRelease = (sb: Sandbox) => broker.sessions.get(sb.id).vm.lastRelease;
 
 // Baseline: bare restore to first agent reply, same host, same moment.
@@ -72,12 +81,15 @@ const project = join(dataDir, 'project');
 prepareWorkspace('salesreport', project);
 const sb = await hutch.create({ workspace: { dir: project } });
 const wakes: number[] = [];
+/** Per wake: ms from its start to the end of each phase (restore, channel, push, resume, mark). */
+const phaseSamples: Array<Record<string, number>> = [];
 const kills: number[] = [];
 const pushed: number[] = [];
 for (let i = 0; i < WAKES; i++) {
   const r = await sb.run('true', { route: 'vm' });
   if (!r.woke) throw new Error('expected a wake');
   wakes.push(r.timing.wakeMs);
+  phaseSamples.push(r.timing.wakePhases ?? {});
   progress(`wake ${i + 1}/${WAKES}: ${r.timing.wakeMs.toFixed(0)} ms`);
   await released(sb);
   const rel = lastRelease(sb);
@@ -145,6 +157,7 @@ const summary = {
   push_mb_s: round(pushMbS, 1),
   idle_host_mib_per_session: round(perSessionMiB, 3),
   wakes: wakes.length,
+  wake_phases_ms: phaseMedians(phaseSamples),
 };
 emit(
   `lifecycle: wake, release, slot restore through the broker (${backend.accel}; project salesreport)`,
@@ -153,6 +166,7 @@ emit(
     { measure: 'wake p50 ms (restore + resume + push)', value: summary.wake_p50_ms, aim: '' },
     { measure: 'wake p99 ms', value: summary.wake_p99_ms, aim: '' },
     { measure: 'bare restore ms (baseline)', value: summary.restore_ms, aim: '' },
+    { measure: 'wake phases, p50 ms to the end of each', value: Object.entries(summary.wake_phases_ms).map(([k, v]) => `${k} ${v}`).join(', '), aim: '' },
     { measure: 'release, kill (clean) ms', value: summary.release_kill_ms, aim: '' },
     { measure: 'release, snapshot slot (dirty) ms', value: summary.release_snapshot_ms, aim: '' },
     { measure: 'slot MiB written per dirty release', value: summary.slot_mib_written, aim: '' },
@@ -161,6 +175,6 @@ emit(
     { measure: 'broker MiB per idle session (no VM)', value: summary.idle_host_mib_per_session, aim: '' },
   ]),
   summary,
-  { wakes_ms: wakes.map((x) => round(x, 0)), kills_ms: kills.map((x) => round(x, 0)), snaps_ms: snaps.map((x) => round(x, 0)), slot_wakes_ms: slotWakes.map((x) => round(x, 0)), bare_restore_ms: bareRestore.map((x) => round(x, 0)) },
+  { wakes_ms: wakes.map((x) => round(x, 0)), wake_phases_ms: phaseSamples, kills_ms: kills.map((x) => round(x, 0)), snaps_ms: snaps.map((x) => round(x, 0)), slot_wakes_ms: slotWakes.map((x) => round(x, 0)), bare_restore_ms: bareRestore.map((x) => round(x, 0)) },
 );
 process.exit(0);

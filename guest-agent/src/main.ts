@@ -114,8 +114,13 @@ async function listen(agent: Agent, spec: ListenSpec, log: ReturnType<typeof cre
       const loop = async () => {
         while (!stopped) {
           const dev = findVirtioPort(spec.name);
-          const conn = agent.serve(await openVirtioPort(dev), { channel: true });
+          const port = await openVirtioPort(dev);
+          const conn = agent.serve(port, { channel: true });
           await conn.closed;
+          // However the session ended (detach, a fatal frame, the host leaving), the port's
+          // fd must be closed before it is opened again: end() alone leaves a character
+          // device open, and the next open() then fails with EBUSY until the agent gives up.
+          port.destroy();
           await new Promise((r) => setTimeout(r, 50));
         }
       };

@@ -503,7 +503,9 @@ export class Connection extends EventEmitter {
   /** Broker: ping while requests wait; nothing heard for deadAfterMs means the guest is gone. */
   private checkLiveness(every: number): void {
     if (this.isClosed) return;
-    if (this.pending.size === 0 && !this.handshaking) {
+    // Handshakes have deadlines of their own (a restore from a big snapshot slot under a
+    // loaded TCG host takes a while before the guest can say anything).
+    if (this.pending.size === 0 || this.handshaking) {
       this.lastHeard = Date.now();
       return;
     }

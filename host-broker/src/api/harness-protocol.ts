@@ -120,6 +120,12 @@ export const CallTimingSchema = z.object({
   wakeMs: z.number(),
   /** Time spent waiting for admission (queued behind other wakes / VM calls). */
   queuedMs: z.number().optional(),
+  /**
+   * Where a wake's time went, ms from the wake's start to the end of each phase: restore
+   * (QEMU up, snapshot loaded), channel (agent handshake), push (workspace in), resume
+   * (entropy and clock; runs beside the push), mark (the pull baseline).
+   */
+  wakePhases: z.record(z.string(), z.number()).optional(),
 });
 
 export const BashResultSchema = z.object({
@@ -139,6 +145,12 @@ export const CallResultSchema = z.object({
   reason: z.string(),
   woke: z.boolean(),
   timing: CallTimingSchema,
+  /**
+   * What the call changed in the VM's workspace that could not be brought to the host
+   * (a FIFO or socket, a file above the size limit, a name the host cannot create): typed,
+   * one entry per path. The rest of the call's changes did land.
+   */
+  syncErrors: z.array(z.object({ path: z.string(), code: z.string(), message: z.string() })).optional(),
   /** The tool's own result: bash -> BashResult; file tools -> the file tool result. */
   result: z.unknown(),
 });

@@ -58,9 +58,18 @@ export interface SandboxExecRequest extends Omit<ExecRequest, 'cwd'> {
   cwd?: string;
 }
 
+/** Something of a call's workspace changes the sync could not bring to the host (typed, never dropped silently). */
+export interface SyncError {
+  /** Workspace-relative, as the API shows paths (surrogateescape for bytes that are not UTF-8). */
+  path: string;
+  code: string;
+  message: string;
+}
+
 export interface SyncedExecResult extends ExecResult {
   pushedBytes: number;
   pulledBytes: number;
+  syncErrors?: SyncError[];
 }
 
 /** What a call made against the agent returned, with the workspace traffic it caused. */
@@ -68,6 +77,8 @@ export interface Synced<T> {
   value: T;
   pushedBytes: number;
   pulledBytes: number;
+  /** What the pull-back could not carry to the host. */
+  syncErrors?: SyncError[];
 }
 
 export interface StartOptions {

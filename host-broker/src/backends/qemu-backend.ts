@@ -13,6 +13,7 @@ import type { HostChanges } from '../sync/host-changes.ts';
 import { manifestFromJson, manifestToJson } from '../sync/manifest.ts';
 import { fsyncPath } from '../lifecycle/snapshot-slots.ts';
 import { WorkspaceMirror } from '../sync/workspace-mirror.ts';
+import type { PullError } from '../sync/pull-journal.ts';
 import { chooseAccel } from '../vm/accel.ts';
 import { connectAgent, detachAgent, resumeGuest } from '../vm/agent-channel.ts';
 import { KVM_DEADLINES, TCG_DEADLINES, type DeadlinePolicy } from '../deadlines.ts';
@@ -193,7 +194,7 @@ class QemuSandbox implements Sandbox {
 
   async exec(req: SandboxExecRequest, hostChanges: HostChanges): Promise<SyncedExecResult> {
     const r = await this.synced((agent) => agent.exec(req).result, hostChanges);
-    return { ...r.value, pushedBytes: r.pushedBytes, pulledBytes: r.pulledBytes };
+    return { ...r.value, pushedBytes: r.pushedBytes, pulledBytes: r.pulledBytes, ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}) };
   }
 
   async synced<T>(fn: (agent: AgentClient) => Promise<T>, hostChanges: HostChanges): Promise<Synced<T>> {
@@ -215,19 +216,18 @@ class QemuSandbox implements Sandbox {
       if (this.vm.running) await this.pullBack().catch(() => undefined);
       throw err;
     }
-    const pulledBytes = await this.pullBack();
-    return { value, pushedBytes, pulledBytes };
+    const pulled = await this.pullBack();
+    return { value, pushedBytes, pulledBytes: pulled.bytes, ...(pulled.errors.length ? { syncErrors: pulled.errors } : {}) };
   }
 
-  /** Pulls what the guest changed in /work since the marker; returns the bytes pulled. */
-  private async pullBack(): Promise<number> {
+  /** Pulls what the guest changed in /work since the marker: the bytes pulled and what could not be. */
+  private async pullBack(): Promise<{ bytes: number; errors: PullError[] }> {
     const pulled = await this.guard(() => this.mirror.pull(this.agent, this.marker, this.maxFileBytes));
     this.marker = pulled.marker;
-    if (pulled.stats.failed.length) this.log.warn('sync.pull_failed', { session: this.spec.session, failed: pulled.stats.failed.slice(0, 5) });
-    if (pulled.stats.skipped.length) this.log.warn('sync.pull_skipped', { session: this.spec.session, skipped: pulled.stats.skipped.slice(0, 5) });
+    if (pulled.stats.errors.length) this.log.warn('sync.pull_errors', { session: this.spec.session, count: pulled.stats.errors.length, first: pulled.stats.errors.slice(0, 5) });
     const st = await this.guard(() => this.agent.call('agent.state', { maxPaths: 200 }));
     this.home = st.dirtyPaths.filter((p) => p.startsWith(GUEST_HOME)).map((p) => p.slice(GUEST_HOME.length));
-    return pulled.stats.bytes;
+    return { bytes: pulled.stats.bytes, errors: pulled.stats.errors };
   }
 
   async reclaim(opts: { hotSetLast: boolean }): Promise<ReclaimInfo> {

@@ -11,7 +11,7 @@
 import { Packr } from 'msgpackr';
 import WebSocket from 'ws';
 import { HutchError, type ErrorCode } from '../../../guest-agent/src/protocol/errors.ts';
-import type { MethodName, ResultOf, SIGNALS } from '../../../guest-agent/src/protocol/methods.ts';
+import { SIGNALS as SIGNAL_NAMES, type MethodName, type ResultOf, type SIGNALS } from '../../../guest-agent/src/protocol/methods.ts';
 import {
   BashResultSchema,
   CallResultSchema,
@@ -19,6 +19,7 @@ import {
   SessionInfoSchema,
   type CallResult,
   type ServerMessage,
+  type CloseResult,
   type OpName,
   type Route,
   type SessionInfo,
@@ -69,6 +70,8 @@ export interface CallInfo {
   /** True when this call woke (restored or booted) the sandbox's VM. */
   woke: boolean;
   timing: CallResult['timing'];
+  /** Changes the call made in the VM that could not reach the host workspace (typed; absent when none). */
+  syncErrors?: NonNullable<CallResult['syncErrors']>;
 }
 
 export interface RunResult extends CallInfo {
@@ -84,7 +87,7 @@ export interface RunResult extends CallInfo {
 export type FileResult<M extends MethodName> = ResultOf<M> & CallInfo;
 
 function callInfo(r: CallResult): CallInfo {
-  return { route: r.route, reason: r.reason, addedMs: r.timing.addedMs, woke: r.woke, timing: r.timing };
+  return { route: r.route, reason: r.reason, addedMs: r.timing.addedMs, woke: r.woke, timing: r.timing, ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}) };
 }
 
 /** The broker's first frame. */
@@ -190,7 +193,9 @@ export class Hutch {
       this.pending.set(id, { resolve, reject, onOut, onEvent });
       const msg = { t: 'req', id, op, p };
       this.ws.send(this.binary ? packr.pack(msg) : JSON.stringify(msg));
-      signal?.addEventListener('abort', () => void this.request('signal', { call: id, signal: 'SIGKILL' }).catch(() => undefined), { once: true });
+      // abort('SIGINT') (or any signal name as the reason) sends that signal; any other abort ends the call.
+      const sig = () => (typeof signal?.reason === 'string' && (SIGNAL_NAMES as readonly string[]).includes(signal.reason) ? signal.reason : 'SIGKILL');
+      signal?.addEventListener('abort', () => void this.request('signal', { call: id, signal: sig() }).catch(() => undefined), { once: true });
     });
   }
 
@@ -280,8 +285,8 @@ export class Sandbox {
     await this.hutch.request('hint', { session: this.id, hint });
   }
 
-  async close(o: { keepWorkspace?: boolean } = {}): Promise<{ workspace?: string }> {
-    return (await this.hutch.request('close', { session: this.id, ...o })) as { workspace?: string };
+  async close(o: { keepWorkspace?: boolean } = {}): Promise<CloseResult> {
+    return (await this.hutch.request('close', { session: this.id, ...o })) as CloseResult;
   }
 
   private async tool<M extends MethodName>(tool: ToolName, args: Record<string, unknown>): Promise<FileResult<M>> {

@@ -1,17 +1,18 @@
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import type { ExecResult } from '../../../guest-agent/src/protocol/methods.ts';
+import type { ExecResult, SignalSchema } from '../../../guest-agent/src/protocol/methods.ts';
+import type { z } from 'zod';
 import type { CallUsage } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 import { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { FileTools } from '../../../guest-agent/src/workspace/file-tools.ts';
 import { type CallResult, type Route, type SessionInfo, type SessionTelemetry, type ToolName } from '../api/harness-protocol.ts';
-import type { SandboxSpec, VmBackend, WakeInfo } from '../backends/backend.ts';
+import type { SandboxSpec, SyncError, VmBackend, WakeInfo } from '../backends/backend.ts';
 import type { Admission } from '../admission.ts';
 import type { BrokerMetrics } from '../metrics.ts';
 import { SandboxLifecycle } from '../lifecycle/sandbox-lifecycle.ts';
 import { recoverPullJournal } from '../sync/pull-journal.ts';
-import { routeCommand } from '../router/index.ts';
+import { gitConfigHazard, routeCall } from '../router/index.ts';
 import { SerialQueue } from '../util/serial-queue.ts';
 import type { FastPathRunner } from '../tools/fastpath-runner.ts';
 import { parseToolArgs, runFileTool } from '../tools/file-calls.ts';
@@ -29,7 +30,11 @@ export interface CallSinks {
   onStdout?: (chunk: Uint8Array) => void | Promise<void>;
   onStderr?: (chunk: Uint8Array) => void | Promise<void>;
   signal?: AbortSignal;
+  /** Receives, once the command runs, the function that sends it a signal (the harness `signal` op). */
+  onSignalable?: (send: (sig: SignalName) => Promise<boolean>) => void;
 }
+
+export type SignalName = z.infer<typeof SignalSchema>;
 
 export interface SessionDeps {
   backend: VmBackend;
@@ -58,6 +63,7 @@ export class Session {
   readonly vm: SandboxLifecycle;
   private calls = 0;
   private closed = false;
+  private readonly closing = new AbortController();
   private readonly log: Logger;
 
   constructor(
@@ -97,13 +103,17 @@ export class Session {
     return this.queue.run(async () => {
       if (this.closed) throw new HutchError('not_found', `session ${this.id} is closed`, { session: this.id });
       this.calls++;
+      // A close() cancels the call in flight: nothing a tenant runs holds a closing session.
+      const signal = sinks.signal ? AbortSignal.any([sinks.signal, this.closing.signal]) : this.closing.signal;
+      const routed: { route?: Route } = {};
       let r: Dispatched;
       try {
-        r = await this.dispatch(tool, rawArgs, sinks);
+        r = await this.dispatch(tool, rawArgs, { ...sinks, signal }, routed);
       } catch (err) {
         const code = err instanceof HutchError ? err.code : 'internal';
+        const totalMs = performance.now() - received;
         this.deps.metrics?.errors.inc({ code });
-        this.deps.metrics?.recordCall({ tool, route: 'inprocess', ok: false, woke: false, totalMs: 0, addedMs: 0, wakeMs: 0, queuedMs: 0, pushedBytes: 0, pulledBytes: 0 });
+        this.deps.metrics?.recordCall({ tool, route: routed.route ?? 'none', ok: false, woke: false, totalMs, addedMs: totalMs, wakeMs: 0, queuedMs: 0, pushedBytes: 0, pulledBytes: 0 });
         throw err;
       }
       const totalMs = performance.now() - received;
@@ -118,8 +128,10 @@ export class Session {
           addedMs: round(totalMs - r.runMs),
           wakeMs: round(r.wake?.wakeMs ?? 0),
           queuedMs: round(r.queuedMs ?? 0),
+          ...(r.wake?.phases ? { wakePhases: r.wake.phases } : {}),
         },
         result: r.result,
+        ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}),
       };
       this.deps.metrics?.recordCall({
         tool,
@@ -127,6 +139,7 @@ export class Session {
         ok: true,
         woke: result.woke,
         ...(r.wake?.how ? { wakeHow: r.wake.how } : {}),
+        ...(r.wake?.phases ? { wakePhases: r.wake.phases } : {}),
         totalMs,
         addedMs: totalMs - r.runMs,
         wakeMs: r.wake?.wakeMs ?? 0,
@@ -150,23 +163,29 @@ export class Session {
     else void this.vm.release(`hint ${h}`).catch((err: unknown) => this.log.warn('vm.release_failed', { error: (err as Error).message }));
   }
 
-  /** Ends the session: its VM is discarded (the workspace is handled by the manager). */
+  /**
+   * Ends the session in bounded time: the call in flight is cancelled, and whatever still
+   * holds on after a grace has its VM stopped under it. Its VM is discarded (the workspace
+   * is handled by the manager).
+   */
   async close(): Promise<void> {
     this.closed = true;
-    await this.queue.idle();
+    this.closing.abort(new HutchError('cancelled', `session ${this.id} is closing`, { session: this.id }));
     await this.vm.close();
+    await this.queue.idle();
   }
 
-  /** Broker shutdown: release the VM properly (a dirty one into its snapshot slot), keep the session. */
+  /** Broker shutdown: release the VM properly (a dirty one into its snapshot slot), keep the session; bounded like close(). */
   async shutdown(): Promise<void> {
     this.closed = true;
+    this.closing.abort(new HutchError('cancelled', 'the broker is shutting down'));
+    await this.vm.shutdownRelease();
     await this.queue.idle();
-    await this.vm.release('broker shutdown').catch((err: unknown) => this.log.warn('vm.release_failed', { error: (err as Error).message }));
-    await this.vm.close();
   }
 
-  private async dispatch(tool: ToolName, rawArgs: unknown, sinks: CallSinks): Promise<Dispatched> {
-    if (tool === 'bash') return this.bash(parseToolArgs('bash', rawArgs), sinks);
+  private async dispatch(tool: ToolName, rawArgs: unknown, sinks: CallSinks, routed: { route?: Route }): Promise<Dispatched> {
+    if (tool === 'bash') return this.bash(parseToolArgs('bash', rawArgs), sinks, routed);
+    routed.route = this.deps.policy.routing ? 'inprocess' : 'vm';
     if (!this.deps.policy.routing) {
       // No routing (published levels 1-3): the file tool runs in the VM, its writes pulled back.
       const t0 = performance.now();
@@ -179,6 +198,7 @@ export class Session {
         queuedMs: out.queuedMs,
         pushedBytes: out.value.pushedBytes + (out.wake.pushedBytes ?? 0),
         pulledBytes: out.value.pulledBytes,
+        syncErrors: out.value.syncErrors,
         result: out.value.value.result,
       };
     }
@@ -186,12 +206,12 @@ export class Session {
     if (r.wrote !== undefined) this.vm.hostChanges.mark(r.wrote);
     return { route: 'inprocess', reason: 'file tools run in the broker on the host workspace', runMs: 0, result: r.result };
   }
-  private async bash(a: ReturnType<typeof parseToolArgs<'bash'>>, sinks: CallSinks): Promise<Dispatched> {
-    const decision = a.route
-      ? { route: a.route, reason: `route forced to ${a.route} by the caller` }
-      : this.deps.policy.routing
-        ? routeCommand(a.command, { homeChanged: this.vm.homeChanges() })
-        : { route: 'vm' as const, reason: 'routing off: every call runs in the VM' };
+  private async bash(a: ReturnType<typeof parseToolArgs<'bash'>>, sinks: CallSinks, routed: { route?: Route }): Promise<Dispatched> {
+    // A caller can force only the safer route: `fastpath` still goes through the router (router/index.ts routeCall).
+    const decision = this.deps.policy.routing
+      ? routeCall({ command: a.command, env: a.env, forced: a.route, homeChanged: this.vm.homeChanges(), gitHazard: (o) => gitConfigHazard(this.workspaceDir, o) })
+      : { route: 'vm' as const, reason: 'routing off: every call runs in the VM' };
+    routed.route = decision.route;
     const timeoutMs = a.timeout ?? (a.timeout_s !== undefined ? Math.round(a.timeout_s * 1000) : DEFAULT_BASH_TIMEOUT_MS);
     const maxOutputBytes = a.maxOutputBytes ?? DEFAULT_MAX_OUTPUT_BYTES;
     const out = new OutputCollector(maxOutputBytes, sinks.onStdout);
@@ -206,12 +226,14 @@ export class Session {
       onStderr: (c: Uint8Array) => err.push(c),
       ...(stdin ? { stdin } : {}),
       ...(sinks.signal ? { signal: sinks.signal } : {}),
+      ...(sinks.onSignalable ? { onSignalable: sinks.onSignalable } : {}),
     };
     let r: ExecResult;
     let wake: WakeInfo | undefined;
     let queuedMs = 0;
     let pushedBytes = 0;
     let pulledBytes = 0;
+    let syncErrors: SyncError[] | undefined;
     if (decision.route === 'fastpath') {
       try {
         r = await this.deps.fastPath.run({ ...common, workspace: this.workspaceDir });
@@ -226,6 +248,7 @@ export class Session {
       queuedMs = out.queuedMs;
       pushedBytes = out.value.pushedBytes + (out.wake.pushedBytes ?? 0);
       pulledBytes = out.value.pulledBytes;
+      syncErrors = out.value.syncErrors;
     }
     return {
       route: decision.route,
@@ -236,6 +259,7 @@ export class Session {
       pushedBytes,
       pulledBytes,
       usage: r.usage,
+      syncErrors,
       result: {
         exitCode: r.exitCode,
         signal: r.signal,
@@ -264,6 +288,7 @@ interface Dispatched {
   pushedBytes?: number;
   pulledBytes?: number;
   usage?: CallUsage | undefined;
+  syncErrors?: SyncError[] | undefined;
 }
 
 /** Keeps the first `cap` bytes of a stream for the result while forwarding every chunk. */

@@ -54,7 +54,9 @@ export async function connectAgent(vm: Vm, opts: ConnectAgentOptions): Promise<A
     await Promise.race([client.ready(), died]);
   } catch (err) {
     client.close();
-    throw err;
+    // A channel that closed because the VM died says why: the VM's exit and console.
+    const exited = await Promise.race([died.then(() => undefined, (e: unknown) => e), new Promise((r) => setTimeout(r, 500, undefined))]);
+    throw exited ?? err;
   }
   if (opts.resume) await resumeGuest(client);
   return client;
