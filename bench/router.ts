@@ -7,21 +7,29 @@
  *   route_vs_spawn             route_p50 / spawn_p50
  *   fastpath_share_bash_calls  bash calls of the recorded sessions routed to the fast path
  *   fastpath_share_all_calls   the same over all calls (file tools always run in-process)
- * The corpus is every bash command of ../shared/bench/sessions plus a set of typical agent
+ * The corpus is every bash command of the recorded sessions (`--sessions DIR`, default the
+ * benchmark corpus beside the checkout; see lib/sessions.ts) plus a set of typical agent
  * commands; each is routed `--rounds` times (default 200) after a warm-up.
  */
 import { spawnSync } from 'node:child_process';
 import { readdirSync, readFileSync } from 'node:fs';
-import { fileURLToPath } from 'node:url';
 import { performance } from 'node:perf_hooks';
 import { initRouter, routeCommand } from '../host-broker/src/router/index.ts';
 import { parseScript } from '../host-broker/src/router/parser.ts';
 import { benchArgs, emit, markdownTable, median, percentile, round } from './lib/report.ts';
+import { benchCorpus } from './lib/sessions.ts';
 
 const args = benchArgs();
 const roundsArg = args.argv.indexOf('--rounds');
 const rounds = roundsArg >= 0 ? Number(args.argv[roundsArg + 1]) : 200;
-const sessionsDir = fileURLToPath(new URL('../../shared/bench/sessions/', import.meta.url));
+const sessionsArg = args.argv.indexOf('--sessions');
+let sessionsDir: string;
+try {
+  sessionsDir = `${benchCorpus({ sessions: sessionsArg >= 0 ? args.argv[sessionsArg + 1] : undefined }).sessions}/`;
+} catch (err) {
+  process.stderr.write(`router: ${(err as Error).message}\n`);
+  process.exit(2);
+}
 
 interface Call {
   tool: string;
