@@ -86,6 +86,21 @@ describe('never lose a call (real VMs)', { tags: ['vm'] }, () => {
     await sb.close();
   }, 600_000);
 
+  it('close() finishes while a call is stuck in a frozen VM: the call fails typed, the VM is gone', async () => {
+    const sb = await hutch.create({ workspace: { files: { 'x': '' } } });
+    const call = sb.run('sleep 300', { route: 'vm' }).then(
+      () => 'resolved',
+      (e: unknown) => (e instanceof HutchError ? e.code : 'untyped'),
+    );
+    await new Promise((r) => setTimeout(r, 1500));
+    const [pid] = qemuPids(join(b.dataDir, 'vms', sb.id));
+    expect(pid).toBeDefined();
+    process.kill(pid as number, 'SIGSTOP');
+    await sb.close(); // bounded: the grace, then the VM is stopped under the call
+    expect(['cancelled', 'guest_crashed', 'guest_unresponsive']).toContain(await call);
+    expect(qemuPids(join(b.dataDir, 'vms', sb.id))).toEqual([]);
+  }, 300_000);
+
   it('signal sends the signal asked: a trap sees SIGINT and the command finishes its own way', async () => {
     const sb = await hutch.create({ workspace: { files: { 'x': '' } } });
     const ac = new AbortController();
@@ -98,8 +113,12 @@ describe('never lose a call (real VMs)', { tags: ['vm'] }, () => {
 
   it('metrics count the route a failed call took', async () => {
     const sb = await hutch.create({ workspace: { files: { 'x': '' } } });
-    // An environment variable name the agent refuses: the call fails in the VM.
-    await expect(sb.run('true', { route: 'vm', env: { 'BAD NAME': '1' } })).rejects.toBeInstanceOf(HutchError);
+    // The call's VM dies under it: it fails, and it failed on the VM route.
+    await sb.run('true', { route: 'vm' });
+    const call = sb.run('sleep 60', { route: 'vm' });
+    await new Promise((r) => setTimeout(r, 1000));
+    for (const pid of qemuPids(join(b.dataDir, 'vms', sb.id))) process.kill(pid, 'SIGKILL');
+    await expect(call).rejects.toMatchObject({ code: 'guest_crashed' });
     const url = b.url.replace('ws:', 'http:') + '/metrics';
     const metrics = await (await fetch(url, { headers: { authorization: `Bearer ${b.token}` } })).text();
     expect(metrics).toMatch(/hutch_calls_total\{tool="bash",route="vm",outcome="error"\} [1-9]/);
