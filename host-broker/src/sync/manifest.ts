@@ -1,4 +1,5 @@
-import { promises as fsp } from 'node:fs';
+import { lstatSync, readlinkSync } from 'node:fs';
+import { at } from '../../../guest-agent/src/workspace/fd-path.ts';
 import { walk } from '../../../guest-agent/src/workspace/walk.ts';
 import { nameFromBytes, nameToBytes } from '../../../guest-agent/src/workspace/names.ts';
 
@@ -23,16 +24,31 @@ export function hostPathBytes(root: string, rel: string): Buffer {
   return Buffer.concat([Buffer.from(root), Buffer.from('/'), nameToBytes(rel)]);
 }
 
-export async function statEntry(root: string, rel: string): Promise<ManifestEntry | undefined> {
-  const abs = hostPathBytes(root, rel);
-  const st = await fsp.lstat(abs).catch(() => undefined);
-  if (!st) return undefined;
+/**
+ * One entry's manifest data. Synchronous on purpose: a scan makes one of these per file
+ * (100,000 for a node_modules), and an lstat is microseconds while a thread-pool round
+ * trip is far more; the walk between them still yields to the event loop.
+ */
+export function statEntry(root: string, rel: string): ManifestEntry | undefined {
+  return entryOf(hostPathBytes(root, rel));
+}
+
+function entryOf(abs: Buffer): ManifestEntry | undefined {
+  let st;
+  try {
+    st = lstatSync(abs);
+  } catch {
+    return undefined;
+  }
   const mode = st.mode & 0o7777;
   if (st.isFile()) return { kind: 'file', size: st.size, mtimeMs: st.mtimeMs, mode };
   if (st.isDirectory()) return { kind: 'dir', size: 0, mtimeMs: 0, mode };
   if (st.isSymbolicLink()) {
-    const target = await fsp.readlink(abs, { encoding: 'buffer' }).catch(() => undefined);
-    return target === undefined ? undefined : { kind: 'symlink', size: 0, mtimeMs: 0, mode: 0, target: nameFromBytes(target) };
+    try {
+      return { kind: 'symlink', size: 0, mtimeMs: 0, mode: 0, target: nameFromBytes(readlinkSync(abs, { encoding: 'buffer' })) };
+    } catch {
+      return undefined;
+    }
   }
   return undefined; // sockets, fifos, devices never sync
 }
@@ -40,11 +56,9 @@ export async function statEntry(root: string, rel: string): Promise<ManifestEntr
 export async function scanTree(root: string): Promise<Manifest> {
   const m: Manifest = new Map();
   for await (const e of walk(root)) {
-    // walk() gives the raw name bytes where it can; its string form maps back one to one.
-    const raw = (e as { raw?: Buffer }).raw;
-    const rel = raw ? nameFromBytes(raw) : e.rel;
-    const entry = await statEntry(root, rel);
-    if (entry) m.set(rel, entry);
+    // Through the walk's held directory fd: the entry the walk listed, under its raw name.
+    const entry = entryOf(at(e.dirFd, e.name));
+    if (entry) m.set(nameFromBytes(e.raw), entry);
   }
   return m;
 }

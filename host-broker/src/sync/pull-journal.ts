@@ -5,7 +5,7 @@ import { setImmediate as yieldToLoop } from 'node:timers/promises';
 import { HutchError, toHutchError, type ErrorCode } from '../../../guest-agent/src/protocol/errors.ts';
 import { nameFromBytes } from '../../../guest-agent/src/workspace/names.ts';
 import { at, closeQuietly, lstatAt, mkdirAt, openDirAt, renameAt } from '../../../guest-agent/src/workspace/fd-path.ts';
-import { closeSyncParent, openSyncParent, openSyncRoot, splitSyncPath } from '../../../guest-agent/src/workspace/sync-path.ts';
+import { openSyncRoot, splitSyncPath, SyncParentCache } from '../../../guest-agent/src/workspace/sync-path.ts';
 import { fsyncPath } from '../lifecycle/snapshot-slots.ts';
 
 /**
@@ -44,7 +44,7 @@ const FILES = 'f';
 /** Operations applied between yields to the event loop (other sessions keep being served). */
 const APPLY_SLICE = 256;
 /** Staged files fdatasynced one by one; a larger pull flushes its file system once (syncfs). */
-const SYNC_EACH_MAX = 256;
+const SYNC_EACH_MAX = 64;
 
 export interface PullError {
   /** Workspace-relative path as the API shows it (surrogateescape for non-UTF-8 bytes). */
@@ -291,6 +291,8 @@ function orderOps(all: Map<string, Op>): Op[] {
  */
 function* applySteps(stageDir: string, root: Buffer, ops: Op[], errors: PullError[]): Generator<void> {
   const rootFd = openSyncRoot(root);
+  // Operations come parents first, so consecutive ones mostly share a parent: open it once.
+  const parents = new SyncParentCache(rootFd);
   let filesFd: number | undefined;
   try {
     filesFd = openSyncRoot(join(stageDir, FILES));
@@ -301,7 +303,7 @@ function* applySteps(stageDir: string, root: Buffer, ops: Op[], errors: PullErro
     for (const o of ops) {
       const raw = Buffer.from(o.p, 'base64');
       try {
-        applyOne(rootFd, filesFd, raw, o);
+        applyOne(parents, filesFd, raw, o);
       } catch (err) {
         const path = nameFromBytes(raw);
         const e = toHutchError(err, { path });
@@ -310,12 +312,13 @@ function* applySteps(stageDir: string, root: Buffer, ops: Op[], errors: PullErro
       yield;
     }
   } finally {
+    parents.close();
     closeQuietly(rootFd);
     if (filesFd !== undefined) closeQuietly(filesFd);
   }
 }
 
-function applyOne(rootFd: number, filesFd: number | undefined, raw: Buffer, o: Op): void {
+function applyOne(parents: SyncParentCache, filesFd: number | undefined, raw: Buffer, o: Op): void {
   const parts = splitSyncPath(raw);
   const name = parts[parts.length - 1] as Buffer;
   if (o.op === 'write' || o.op === 'symlink') {
@@ -323,9 +326,11 @@ function applyOne(rootFd: number, filesFd: number | undefined, raw: Buffer, o: O
     if (filesFd === undefined || !lstatAt(filesFd, staged)) return; // moved into place before a crash
   }
   // A deletion behind a symlink or a file has nothing to delete; everything else makes its parents.
-  const dir = openSyncParent(rootFd, parts, o.op === 'delete' ? undefined : {});
+  // The parent fd belongs to the cache. An operation changes only its own entry, never
+  // its parent, so the cached fd stays the directory it names.
+  const dir = parents.get(parts, o.op === 'delete' ? undefined : {});
   if (dir === undefined) return;
-  try {
+  {
     const st = lstatAt(dir, name);
     switch (o.op) {
       case 'delete':
@@ -352,8 +357,6 @@ function applyOne(rootFd: number, filesFd: number | undefined, raw: Buffer, o: O
         renameAt(filesFd as number, Buffer.from(String(o.s)), dir, name);
         return;
     }
-  } finally {
-    closeSyncParent(dir, rootFd);
   }
 }
 

@@ -146,7 +146,7 @@ export class WorkspaceMirror {
         await stage.commit();
         const applied = await stage.apply();
         errors.push(...applied.errors);
-        await this.noteApplied(applied.applied);
+        this.noteApplied(applied.applied);
       } else await stage.discard();
     } catch (err) {
       await stage.discard().catch(() => undefined);
@@ -213,12 +213,12 @@ export class WorkspaceMirror {
   }
 
   /** The guest now holds what the host holds for the applied paths. */
-  private async noteApplied(applied: Array<{ key: string; op: string }>): Promise<void> {
+  private noteApplied(applied: Array<{ key: string; op: string }>): void {
     const view = this.guestView ?? new Map();
     removeWithChildren(view, new Set(applied.filter((a) => a.op === 'delete').map((a) => a.key)));
     for (const a of applied) {
       if (a.op === 'delete') continue;
-      const e = await statEntry(this.hostWs.root, a.key);
+      const e = statEntry(this.hostWs.root, a.key);
       if (e) view.set(a.key, e);
       else view.delete(a.key);
     }
@@ -231,7 +231,7 @@ export class WorkspaceMirror {
     for (let i = 1; i <= parts.length; i++) {
       const q = parts.slice(0, i).join('/');
       if (host.has(q) || guestSubset.has(q)) continue;
-      const e = await statEntry(this.hostWs.root, q);
+      const e = statEntry(this.hostWs.root, q);
       if (e) host.set(q, e);
       const g = before.get(q);
       if (g) guestSubset.set(q, g);
