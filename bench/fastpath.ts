@@ -8,7 +8,13 @@
  *   npx tsx bench/fastpath.ts [--json] [--runs N] [--heap-mib M]
  *
  * Also measured: the fast path with the in-process spawner (the broker forks bwrap
- * itself), which is what the helper is there to avoid.
+ * itself), which is what the helper is there to avoid; and two baselines spawned by this
+ * process: a plain `bwrap` with the fast path's namespaces and binds and no seccomp filter
+ * (`raw_bwrap`, what bubblewrap itself costs here), and the same with the filter
+ * (`bwrap_only`). `fastpath_over_raw_ms` is what hutch adds on top of bubblewrap (filter,
+ * limits, helper round trip, request checks): fast path p50 minus raw bwrap p50, same run.
+ * With the big heap it is taken against the small-heap raw p50, since raw bwrap forked from
+ * this process grows with its heap, which is exactly what the fast path's helper avoids.
  */
 import { mkdtempSync, rmSync, writeFileSync, mkdirSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -42,8 +48,8 @@ const log = (s: string) => {
   if (!args.json) process.stderr.write(s + '\n');
 };
 
-type Variant = 'bare' | 'fastpath' | 'fastpath_inprocess' | 'bwrap_only';
-const VARIANTS: readonly Variant[] = ['bare', 'fastpath', 'fastpath_inprocess', 'bwrap_only'];
+type Variant = 'bare' | 'raw_bwrap' | 'fastpath' | 'fastpath_inprocess' | 'bwrap_only';
+const VARIANTS: readonly Variant[] = ['bare', 'raw_bwrap', 'fastpath', 'fastpath_inprocess', 'bwrap_only'];
 const IDENTITY = { uid: 1000, gid: 1000, user: 'user', home: '/tmp' };
 const etc = createSandboxEtc(IDENTITY);
 const layout = probeHostLayout();
@@ -64,11 +70,16 @@ async function timeBare(ws: string, command: string): Promise<number> {
   return performance.now() - t;
 }
 
-/** The same bwrap + seccomp sandbox with no limits step and no helper: what bwrap alone costs. */
-async function timeBwrapOnly(ws: string, command: string): Promise<number> {
+/**
+ * The fast path's bwrap command line spawned by this process, with no limits step and no
+ * helper: with the seccomp filter (`bwrap_only`), or without it (`raw_bwrap`: the same
+ * namespaces, binds and /proc masks, nothing of hutch's).
+ */
+async function timeBwrap(ws: string, command: string, seccomp: boolean): Promise<number> {
   const t = performance.now();
   const argv = bwrapArgv({ bwrap: '/usr/bin/bwrap', workspace: ws, cwd: '/work', env: { PATH: '/usr/bin:/bin', HOME: '/tmp', LANG: 'C.UTF-8' }, etcDir: etc.dir, emptyDir: etc.emptyDir, identity: IDENTITY, layout, tmpBytes: 256 << 20, command });
-  const r = await runProcess({ argv, cwd: '/', env: { PATH: '/usr/bin:/bin' }, extraInputs: [seccompFilter().bpf], killGroupOnExit: true, onStdout: () => undefined }).result;
+  if (!seccomp) argv.splice(argv.indexOf('--seccomp'), 2);
+  const r = await runProcess({ argv, cwd: '/', env: { PATH: '/usr/bin:/bin' }, extraInputs: seccomp ? [seccompFilter().bpf] : undefined, killGroupOnExit: true, onStdout: () => undefined }).result;
   if (r.exitCode !== 0) throw new Error(`bwrap ${command} exited ${r.exitCode}`);
   return performance.now() - t;
 }
@@ -81,9 +92,11 @@ async function timeFast(fp: FastPath, ws: string, command: string): Promise<numb
 }
 
 async function measure(label: string, ws: string, helper: FastPath, inproc: FastPath): Promise<Samples> {
-  const s: Samples = { bare: [], fastpath: [], fastpath_inprocess: [], bwrap_only: [] };
+  const s: Samples = { bare: [], raw_bwrap: [], fastpath: [], fastpath_inprocess: [], bwrap_only: [] };
   const once = (v: Variant, c: string): Promise<number> =>
-    v === 'bare' ? timeBare(ws, c) : v === 'bwrap_only' ? timeBwrapOnly(ws, c) : timeFast(v === 'fastpath' ? helper : inproc, ws, c);
+    v === 'bare' ? timeBare(ws, c)
+    : v === 'raw_bwrap' || v === 'bwrap_only' ? timeBwrap(ws, c, v === 'bwrap_only')
+    : timeFast(v === 'fastpath' ? helper : inproc, ws, c);
   // Warm-up: page cache, the helper's JIT, the cgroup slot pool.
   for (const c of COMMANDS) for (const v of VARIANTS) await once(v, c);
   for (let i = 0; i < RUNS; i++) {
@@ -176,6 +189,11 @@ try {
     inprocess_spawner_p50_ms: p50(small.fastpath_inprocess),
     inprocess_spawner_big_heap_p50_ms: p50(big.fastpath_inprocess),
     bwrap_only_p50_ms: p50(small.bwrap_only),
+    raw_bwrap_p50_ms: p50(small.raw_bwrap),
+    raw_bwrap_big_heap_p50_ms: p50(big.raw_bwrap),
+    // Aim <= 2 ms, and the same with the big heap.
+    fastpath_over_raw_ms: round(median(small.fastpath) - median(small.raw_bwrap), 2),
+    fastpath_over_raw_big_heap_ms: round(median(big.fastpath) - median(small.raw_bwrap), 2),
     bwrap_only_big_heap_p50_ms: p50(big.bwrap_only),
     bwrap_p99_ms: round(percentile(small.fastpath, 99), 2),
     bare_p99_ms: round(percentile(small.bare, 99), 2),
@@ -192,6 +210,7 @@ try {
   };
   const names: Record<Variant, string> = {
     bare: 'bare bash -c',
+    raw_bwrap: 'raw bwrap (same namespaces and binds, no seccomp, in-process)',
     fastpath: 'fast path (helper spawner, default)',
     fastpath_inprocess: 'fast path (in-process spawner)',
     bwrap_only: 'bwrap + seccomp only (no limits, in-process)',

@@ -159,6 +159,36 @@ describe('fast path', () => {
       expect(text.endsWith('199999\n200000\n')).toBe(true);
     });
 
+    it('a consumer that stops taking output stops the command: the output in flight is bounded, and the sink is called one chunk at a time', async () => {
+      // The command prints 1 KiB lines and notes every 64th line's number in the workspace.
+      const progress = join(ws, 'progress');
+      let calls = 0;
+      let release!: () => void;
+      const stalled = new Promise<void>((r) => (release = r));
+      const abort = new AbortController();
+      const running = fp.run({
+        command: 'i=0; while :; do i=$((i+1)); printf "%1023d\\n" $i; [ $((i % 64)) = 0 ] && echo $i > progress; done',
+        workspace: ws,
+        signal: abort.signal,
+        onStdout: async () => {
+          calls++;
+          await stalled; // never taken until the end of the test
+        },
+      });
+      await new Promise((r) => setTimeout(r, 1500));
+      const lines = Number(existsSync(progress) ? readFileSync(progress, 'utf8').trim() : '0');
+      const callsWhileStalled = calls;
+      abort.abort();
+      release();
+      const r = await running;
+      expect(r.cancelled).toBe(true);
+      expect(callsWhileStalled).toBe(1);
+      // Unbounded, the loop writes tens of MiB in that time; the helper's credit window plus
+      // the pipe hold well under 2 MiB.
+      expect(lines).toBeLessThan(2048);
+      rmSync(progress, { force: true });
+    });
+
     it('runs calls concurrently, each with its own output and cgroup', async () => {
       const runs = await Promise.all([0, 1, 2, 3].map((i) => run(fp, { command: `sleep 0.2; echo run-${i}; echo err-${i} >&2`, workspace: ws })));
       runs.forEach((r, i) => {

@@ -3,9 +3,9 @@
  *
  *   <own cgroup>/hutch-fastpath/slot-<broker pid>-<n>    pids.max, memory limit
  *
- * A run enters its slot through a tiny `sh` step that writes its own pid into the slot's
- * cgroup.procs and then execs bwrap, so the sandbox is inside before it can fork (Node
- * cannot spawn with CLONE_INTO_CGROUP). Slots are reused rather than made and removed per
+ * A run enters its slot before bwrap starts, so the sandbox is inside before it can fork
+ * (Node cannot spawn with CLONE_INTO_CGROUP): on v1 the spawn helper forks from inside it
+ * (thread-cgroup.ts); otherwise a tiny `sh` step moves itself in and then execs bwrap. Slots are reused rather than made and removed per
  * run: mkdir/rmdir of a memory cgroup per call costs time, and a removed memcg that still
  * has page cache charged lingers as a "dying" cgroup until that cache is reclaimed.
  * Counters (OOM kills, refused forks) are read as deltas around each run.
@@ -133,10 +133,14 @@ export class CgroupLimiter implements Limiter {
     this.busy.add(slot);
     const before = this.counters(slot);
     if (this.version === 'cgroup-v1') this.tryWrite(slot, 'memory', 'memory.max_usage_in_bytes', '0');
-    const procs = slot.dirs.map((d) => join(d.dir, 'cgroup.procs'));
+    // v1 moves the `sh` step's only thread by writing "0" (the writer itself) to `tasks`, which
+    // spares the global lock a move by pid takes (thread-cgroup.ts says what that costs); v2
+    // has no `tasks`, so there it is the pid into cgroup.procs.
+    const [entryFile, who] = this.version === 'cgroup-v1' ? ['tasks', '0'] : ['cgroup.procs', '$$'];
+    const entries = slot.dirs.map((d) => join(d.dir, entryFile));
     return {
-      // The pid goes into every hierarchy before exec: from then on each fork is counted and charged.
-      wrap: (argv) => [this.opts.shell, '-c', 'p=$$; while [ "$1" != -- ]; do echo "$p" > "$1" || exit 125; shift; done; shift; exec "$@"', 'hutch-enter', ...procs, '--', ...argv],
+      // Into every hierarchy before exec: from then on each fork is counted and charged.
+      wrap: (argv) => [this.opts.shell, '-c', `p=${who}; while [ "$1" != -- ]; do echo "$p" > "$1" || exit 125; shift; done; shift; exec "$@"`, 'hutch-enter', ...entries, '--', ...argv],
       // v2 cannot hold one thread of a process in another cgroup (outside threaded mode).
       threadEntry: this.version === 'cgroup-v1' ? slot.dirs.map((d) => join(d.dir, 'tasks')) : undefined,
       kill: () => this.killAll(slot),

@@ -19,6 +19,12 @@ interface Pending {
   resolve(r: RunResult): void;
   reject(e: Error): void;
   sinks: Partial<Record<StreamName, OutputSink>>;
+  /**
+   * The last delivery per stream still settling. The helper sends chunks ahead of credit
+   * (spawn-helper-main.ts), so a chunk can arrive while the caller's sink still holds the
+   * one before: deliveries are chained, one at a time and in order, as with runProcess.
+   */
+  tails: Partial<Record<StreamName, Promise<void>>>;
   onKill: (() => void) | undefined;
 }
 
@@ -88,7 +94,7 @@ export class HelperSpawner implements Spawner {
       const inc = await this.live();
       target = inc;
       return new Promise<RunResult>((resolve, reject) => {
-        inc.pending.set(id, { resolve, reject, sinks: { stdout: opts.onStdout, stderr: opts.onStderr }, onKill: opts.onKill });
+        inc.pending.set(id, { resolve, reject, sinks: { stdout: opts.onStdout, stderr: opts.onStderr }, tails: {}, onKill: opts.onKill });
         if (!send(inc, { t: 'run', id, opts: wire })) {
           inc.pending.delete(id);
           reject(new HutchError('internal', 'fast path spawn helper is not reachable', { pid: inc.pid }));
@@ -154,26 +160,43 @@ export class HelperSpawner implements Spawner {
     if (!p) return;
     switch (m.t) {
       case 'data': {
-        const sink = p.sinks[m.stream];
+        const { stream } = m;
+        const sink = p.sinks[stream];
         const chunk = Buffer.from(m.chunk.buffer, m.chunk.byteOffset, m.chunk.byteLength);
-        const credit = () => void send(inc, { t: 'credit', id: m.id, stream: m.stream });
-        let done: void | Promise<void>;
-        try {
-          done = sink?.(chunk);
-        } catch {
-          done = undefined; // a throwing sink must not stall the child
-        }
-        if (done) done.then(credit, credit);
-        else credit();
+        const credit = () => void send(inc, { t: 'credit', id: m.id, stream });
+        const deliver = (): Promise<void> | undefined => {
+          let done: void | Promise<void>;
+          try {
+            done = sink?.(chunk);
+          } catch {
+            done = undefined; // a throwing sink must not stall the child
+          }
+          if (!done) {
+            credit();
+            return undefined;
+          }
+          return done.then(credit, credit);
+        };
+        const prev = p.tails[stream];
+        const tail = prev ? prev.then(deliver) : deliver();
+        if (!tail) break;
+        p.tails[stream] = tail;
+        void tail.then(() => {
+          if (p.tails[stream] === tail) delete p.tails[stream];
+        });
         break;
       }
       case 'onkill':
         p.onKill?.();
         break;
-      case 'result':
+      case 'result': {
         inc.pending.delete(m.id);
-        p.resolve(m.result);
+        // The run is over once the caller's sinks have taken all of its output.
+        const { stdout, stderr } = p.tails;
+        if (!stdout && !stderr) p.resolve(m.result);
+        else void Promise.all([stdout, stderr]).then(() => p.resolve(m.result));
         break;
+      }
       case 'error':
         inc.pending.delete(m.id);
         p.reject(HutchError.fromWire(m.error));

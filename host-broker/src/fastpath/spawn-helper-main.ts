@@ -11,15 +11,26 @@ import type { FromHelper, StreamName, ToHelper } from './spawn-helper-protocol.t
 interface Run {
   proc: RunningProcess;
   abort: AbortController;
-  /**
-   * Resolvers of chunks sent and not yet credited, oldest first. Usually one per stream, but
-   * runProcess can call a sink again before the last call settled (Node resumes a child's
-   * paused stdio when the child exits), so this is a queue: each credit settles the oldest.
-   */
-  credit: Record<StreamName, Array<() => void>>;
+  credit: Record<StreamName, Window>;
+}
+
+/**
+ * A stream's chunks sent and not yet credited by the broker, oldest first. Up to
+ * CREDIT_WINDOW_BYTES may be in flight before the sink makes the child wait: a command's
+ * whole output usually fits, so the run ends without waiting for the broker's credits (a
+ * round trip through two processes per chunk, which under CPU contention cost milliseconds),
+ * while a slow consumer still holds the child back once the window is full.
+ */
+interface Window {
+  inFlight: number;
+  /** Bytes of each uncredited chunk; each credit settles the oldest. */
+  chunks: number[];
+  /** Sinks waiting for room. */
+  waiting: Array<() => void>;
 }
 
 const runs = new Map<number, Run>();
+const CREDIT_WINDOW_BYTES = 256 * 1024;
 
 function send(m: FromHelper): void {
   if (process.connected) process.send?.(m);
@@ -27,12 +38,15 @@ function send(m: FromHelper): void {
 
 function start(id: number, o: Extract<ToHelper, { t: 'run' }>['opts']): void {
   const abort = new AbortController();
-  const credit: Run['credit'] = { stdout: [], stderr: [] };
-  const sink = (stream: StreamName) => (chunk: Buffer) =>
-    new Promise<void>((resolve) => {
-      credit[stream].push(resolve);
-      send({ t: 'data', id, stream, chunk });
-    });
+  const credit: Run['credit'] = { stdout: newWindow(), stderr: newWindow() };
+  const sink = (stream: StreamName) => (chunk: Buffer): void | Promise<void> => {
+    const w = credit[stream];
+    w.chunks.push(chunk.length);
+    w.inFlight += chunk.length;
+    send({ t: 'data', id, stream, chunk });
+    if (w.inFlight <= CREDIT_WINDOW_BYTES) return;
+    return new Promise<void>((resolve) => w.waiting.push(resolve));
+  };
   let proc: RunningProcess;
   try {
     const start = () => runProcess({
@@ -70,6 +84,10 @@ function start(id: number, o: Extract<ToHelper, { t: 'run' }>['opts']): void {
   ).finally(() => runs.delete(id));
 }
 
+function newWindow(): Window {
+  return { inFlight: 0, chunks: [], waiting: [] };
+}
+
 process.on('message', (m: ToHelper) => {
   switch (m.t) {
     case 'run':
@@ -81,9 +99,13 @@ process.on('message', (m: ToHelper) => {
     case 'kill':
       runs.get(m.id)?.proc.kill(m.signal);
       break;
-    case 'credit':
-      runs.get(m.id)?.credit[m.stream].shift()?.();
+    case 'credit': {
+      const w = runs.get(m.id)?.credit[m.stream];
+      if (!w) break;
+      w.inFlight -= w.chunks.shift() ?? 0;
+      if (w.inFlight <= CREDIT_WINDOW_BYTES) for (const wake of w.waiting.splice(0)) wake();
       break;
+    }
   }
 });
 

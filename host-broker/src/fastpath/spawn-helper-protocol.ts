@@ -1,8 +1,9 @@
 /**
  * Messages between the broker and its spawn helper (Node IPC with the structured-clone
  * serializer, so byte chunks cross as Uint8Array without base64). Output is credit-based:
- * the helper sends one chunk per stream and waits for the broker's `credit` before
- * reading more from the child, so a slow consumer stalls the child, not memory.
+ * the broker sends a `credit` for each chunk its caller has taken; the helper stops reading
+ * from the child while more than a fixed window (spawn-helper-main.ts) is uncredited, so a
+ * slow consumer stalls the child, not memory.
  */
 import type { RunResult } from '../../../guest-agent/src/process/run-process.ts';
 import type { WireError } from '../../../guest-agent/src/protocol/errors.ts';

@@ -4,8 +4,13 @@
  * its forking thread's cgroups, so the sandbox is counted and charged from its first
  * instruction. Only the spawn helper does this (spawner.ts says why never the broker).
  *
- * Node runs JavaScript and libuv's fork() on the process's first thread, whose thread id is
- * the process id, so `process.pid` names the thread to move.
+ * Node runs JavaScript, synchronous fs calls and libuv's fork() on the same thread, so the
+ * thread that writes the `tasks` file is the one that forks. It writes "0" (the writing
+ * thread itself), not its id: for a nonzero id the kernel takes the global
+ * cgroup_threadgroup_rwsem for writing, which waits out an RCU grace period whenever the lock
+ * has been idle, and that wait was most of what a fast-path call cost above bubblewrap (a
+ * mean of 2-6 ms per move here under load, up to 20 ms); for the writing thread itself it
+ * needs no such lock (kernel/cgroup/cgroup.c, cgroup_procs_write_start).
  */
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
@@ -39,7 +44,7 @@ function homeTasksFor(tasksFile: string): string {
  */
 export function forkInCgroups<T>(tasksFiles: string[], fork: () => T): T {
   const back = tasksFiles.map(homeTasksFor);
-  const self = String(process.pid);
+  const self = '0';
   try {
     for (const f of tasksFiles) writeFileSync(f, self);
     return fork();
