@@ -278,6 +278,7 @@ export class Broker {
         const stream = p.stream ?? false;
         return this.sessions.get(p.session, who).call(p.tool, p.args, {
           signal: ctx.signal,
+          onSignalable: (send) => ctx.onSignal(send),
           ...(stream ? { onStdout: (c: Uint8Array) => ctx.out(1, c), onStderr: (c: Uint8Array) => ctx.out(2, c) } : {}),
         });
       }

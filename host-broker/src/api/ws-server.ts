@@ -1,6 +1,9 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import type { AddressInfo, Socket } from 'node:net';
+import { StringDecoder } from 'node:string_decoder';
 import { Packr } from 'msgpackr';
+import type { z } from 'zod';
+import type { SignalSchema } from '../../../guest-agent/src/protocol/methods.ts';
 import { WebSocketServer, type WebSocket, type RawData } from 'ws';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
@@ -20,7 +23,11 @@ export interface OpContext {
   out(fd: 1 | 2, chunk: Uint8Array): Promise<void>;
   /** Pushes an event belonging to this request (a subscription's samples). */
   event(data: unknown): void;
+  /** A call that runs a command registers how to send it a signal; the `signal` op then delivers the one asked. */
+  onSignal(send: (sig: SignalName) => Promise<boolean>): void;
 }
+
+type SignalName = z.infer<typeof SignalSchema>;
 
 export type OpHandler = (op: OpName, params: unknown, ctx: OpContext) => Promise<unknown>;
 
@@ -209,6 +216,7 @@ export class WsServer {
     this.perPrincipal.set(principal, (this.perPrincipal.get(principal) ?? 0) + 1);
     const log = this.opts.log.child({ remote: `${req.socket.remoteAddress}:${req.socket.remotePort}`, principal });
     const inflight = new Map<number, AbortController>();
+    const signallers = new Map<number, (sig: SignalName) => Promise<boolean>>();
     const maxInflight = this.limits.maxInflightPerConnection;
     log.info('ws.connected');
     const send = (value: unknown, binary: boolean) => {
@@ -245,6 +253,9 @@ export class WsServer {
       const ac = new AbortController();
       inflight.set(id, ac);
       this.inflightTotal++;
+      // JSON text frames carry output as strings: one decoder per stream, so a character
+      // split across two chunks is decoded whole, never as two replacement characters.
+      const text = isBinary ? undefined : { 1: new StringDecoder('utf8'), 2: new StringDecoder('utf8') };
       // Back-pressure: stop reading this socket while it has many unfinished requests (its
       // sender then waits on TCP), so its traffic queues there, not in the broker.
       if (inflight.size >= maxInflight && !ws.isPaused) {
@@ -257,13 +268,19 @@ export class WsServer {
         signal: ac.signal,
         out: async (fd, chunk) => {
           if (ws.readyState !== ws.OPEN) return;
-          const frame = { t: 'out', call: id, fd, d: isBinary ? chunk : Buffer.from(chunk).toString('utf8') };
+          const d = text ? text[fd].write(Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength)) : chunk;
+          if (text && d === '') return; // only the start of a character so far
+          const frame = { t: 'out', call: id, fd, d };
           if (ws.bufferedAmount < OUT_HIGH_WATER) send(frame, isBinary);
           else await new Promise<void>((r) => ws.send(isBinary ? packr.pack(frame) : JSON.stringify(frame), () => r()));
         },
         event: (d) => send({ t: 'evt', call: id, d }, isBinary),
+        onSignal: (deliver) => void signallers.set(id, deliver),
       };
-      const signalOf = (callId: number) => inflight.get(callId);
+      const signalOf = (callId: number) => {
+        const ac = inflight.get(callId);
+        return ac ? { ac, deliver: signallers.get(callId) } : undefined;
+      };
       const handled = op === 'signal' ? this.signal(p, signalOf) : this.opts.handle(op as OpName, p, ctx);
       handled.then(
         (r) => send({ t: 'res', id, r }, isBinary),
@@ -275,6 +292,7 @@ export class WsServer {
       ).finally(() => {
         inflight.delete(id);
         this.inflightTotal--;
+        signallers.delete(id);
         if (ws.isPaused && inflight.size <= maxInflight / 2) ws.resume();
       });
     });
@@ -288,13 +306,15 @@ export class WsServer {
     ws.on('error', (err) => log.warn('ws.error', { error: err.message }));
   }
 
-  private async signal(p: unknown, find: (id: number) => AbortController | undefined): Promise<{ delivered: boolean }> {
+  private async signal(p: unknown, find: (id: number) => { ac: AbortController; deliver: ((sig: SignalName) => Promise<boolean>) | undefined } | undefined): Promise<{ delivered: boolean }> {
     const parsed = OPS.signal.safeParse(p);
     if (!parsed.success) throw new HutchError('bad_request', `invalid signal params: ${parsed.error.issues[0]?.message}`);
-    const ac = find(parsed.data.call);
-    if (!ac) throw new HutchError('not_found', `no call ${parsed.data.call} in flight on this connection`, { call: parsed.data.call });
-    // Any signal ends the call: the process group is killed, and the call resolves as cancelled.
-    ac.abort(new HutchError('cancelled', `call cancelled by ${parsed.data.signal}`));
+    const call = find(parsed.data.call);
+    if (!call) throw new HutchError('not_found', `no call ${parsed.data.call} in flight on this connection`, { call: parsed.data.call });
+    // A running command gets the signal asked (a trap may handle SIGINT and go on); SIGKILL,
+    // or a call whose command is not running yet, cancels the call (its group is killed).
+    if (call.deliver && parsed.data.signal !== 'SIGKILL') return { delivered: await call.deliver(parsed.data.signal) };
+    call.ac.abort(new HutchError('cancelled', `call cancelled by ${parsed.data.signal}`));
     return { delivered: true };
   }
 }

@@ -141,7 +141,12 @@ export class QemuBackend implements VmBackend {
       return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs, phases, ...(clock ? { clockErrorMs: clock.errorMs } : {}) } };
     } catch (err) {
       agent?.close();
+      const died = !vm.running;
       await vm.destroy();
+      // A VM that dies while waking (killed, out of memory) fails the call as a crash, not as a closed channel.
+      if (died && err instanceof HutchError && err.code === 'connection_closed') {
+        throw new HutchError('guest_crashed', `the VM of session ${spec.session} died while waking; the host workspace is unchanged`, { session: spec.session });
+      }
       throw err;
     }
   }

@@ -56,7 +56,10 @@ export async function connectAgent(vm: Vm, opts: ConnectAgentOptions): Promise<A
     client.close();
     // A channel that closed because the VM died says why: the VM's exit and console.
     const exited = await Promise.race([died.then(() => undefined, (e: unknown) => e), new Promise((r) => setTimeout(r, 500, undefined))]);
-    throw exited ?? err;
+    if (exited) throw exited;
+    // A guest that is alive but silent: what its console said last is the best lead.
+    if (err instanceof HutchError) throw new HutchError(err.code, `${err.message}; guest console: ${vm.consoleTail(6).join(' | ') || '(nothing)'}`, { ...err.context, vm: vm.spec.id });
+    throw err;
   }
   if (opts.resume) await resumeGuest(client);
   return client;

@@ -238,6 +238,10 @@ class QemuVm implements Vm {
     return this.daemon.running;
   }
 
+  consoleTail(lines = 8): string[] {
+    return this.console.slice(-lines);
+  }
+
   async pause(): Promise<void> {
     await this.qmp.execute('stop');
   }

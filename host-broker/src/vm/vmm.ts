@@ -75,6 +75,8 @@ export interface Vm {
   /** Resolves when the VMM process exits, with its last console lines. */
   readonly exited: Promise<{ code: number | null; signal: string | null; console: string[] }>;
   readonly running: boolean;
+  /** The guest console's last lines (for errors about a guest that says nothing). */
+  consoleTail(lines?: number): string[];
   pause(): Promise<void>;
   resume(): Promise<void>;
   /**
