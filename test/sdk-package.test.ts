@@ -36,9 +36,10 @@ afterAll(() => {
 });
 
 describe('the hutch npm package', () => {
-  it('carries the compiled SDK, its types, the CLI and the agent bundle, and no builder or source', () => {
+  it('carries the compiled SDK, its types and the CLI, and no builder, agent or source', () => {
     const files = packed.files.map((f) => f.path).sort();
-    for (const f of ['package.json', 'dist/index.js', 'dist/cli.js', 'dist/hutch-agent.mjs', 'dist/types/host-broker/src/sdk/index.d.ts']) expect(files).toContain(f);
+    for (const f of ['package.json', 'dist/index.js', 'dist/cli.js', 'dist/spawn-helper-main.js', 'dist/types/host-broker/src/sdk/index.d.ts']) expect(files).toContain(f);
+    expect(files.filter((f) => f.includes('hutch-agent'))).toEqual([]);
     expect(files.filter((f) => f.endsWith('.ts') && !f.endsWith('.d.ts'))).toEqual([]);
     expect(files.filter((f) => /^(rootfs|kernel-configs|build|guest-agent|host-broker|test|bench|examples)\//.test(f))).toEqual([]);
     // The CLI bundle has the builders stubbed out: no debootstrap, no kernel compile.

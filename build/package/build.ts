@@ -5,16 +5,14 @@
  *   dist/types/...       its .d.ts files (tsc --emitDeclarationOnly, tsconfig.build.json)
  *   dist/cli.js          the `hutch` CLI (broker), without the guest image builders
  *   dist/spawn-helper-main.js  the fast path's spawn helper process
- *   dist/hutch-agent.mjs the guest agent bundle the local backend runs
  *
  * Dependencies stay imports of the package's `dependencies`; only our code is bundled.
  */
 import { execFileSync } from 'node:child_process';
-import { chmodSync, readdirSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { chmodSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { build, type Plugin } from 'esbuild';
-import { buildAgent } from '../../guest-agent/build.ts';
 
 const root = resolve(dirname(fileURLToPath(import.meta.url)), '../..');
 const dist = join(root, 'dist');
@@ -76,10 +74,6 @@ await build({
 chmodSync(join(dist, 'cli.js'), 0o755);
 // The fast path's spawn helper is a process of its own (forked by the broker).
 await build({ ...common, entryPoints: [join(root, 'host-broker/src/fastpath/spawn-helper-main.ts')], outfile: join(dist, 'spawn-helper-main.js') });
-// The tests run this same file (guest-agent/build.ts writes it too): replace it whole.
-const agentTmp = join(dist, `.hutch-agent.${process.pid}.mjs`);
-await buildAgent(agentTmp);
-renameSync(agentTmp, join(dist, 'hutch-agent.mjs'));
 
 try {
   execFileSync(process.execPath, [join(root, 'node_modules/typescript/bin/tsc'), '-p', join(root, 'tsconfig.build.json')], { stdio: ['ignore', 'pipe', 'pipe'], encoding: 'utf8' });
@@ -96,7 +90,7 @@ for (const f of walk(join(dist, 'types'))) {
   const text = readFileSync(f, 'utf8');
   writeFileSync(f, text.replace(/(from\s+['"]\.{1,2}\/[^'"]*?)\.ts(['"])/g, '$1.js$2').replace(/(import\(['"]\.{1,2}\/[^'"]*?)\.ts(['"]\))/g, '$1.js$2'));
 }
-process.stderr.write(`hutch: package built in ${dist} (index.js, types/, cli.js, hutch-agent.mjs)\n`);
+process.stderr.write(`hutch: package built in ${dist} (index.js, types/, cli.js, spawn-helper-main.js)\n`);
 
 function* walk(dir: string): Generator<string> {
   for (const name of readdirSync(dir)) {
