@@ -129,7 +129,7 @@ export class QemuBackend implements VmBackend {
       if (from) mirror.guestView = manifestFromJson(readFileSync(from.manifest, 'utf8'));
       const pushed = await mirror.push(agent);
       phase('push');
-      const clock = resumed ? checkClock(await resumed, spec.session, this.opts.log) : undefined;
+      const clock = resumed ? await settleClock(agent, await resumed, spec.session, this.opts.log) : undefined;
       const mark = await agent.call('sync.mark', {});
       phase('mark');
       agent.workspaceEntries = mark.entries;
@@ -311,13 +311,27 @@ class QemuSandbox implements Sandbox {
 }
 
 /** The guest clock after a restore may be off by the RPC's travel time, not by more. */
-const CLOCK_TOLERANCE_MS = 2_000;
+const CLOCK_TOLERANCE_MS = 1_000;
 
 /** Checks what the guest reported of its clock after a restore; a wrong clock is logged loudly, not hidden. */
-function checkClock(r: ResultOf<'agent.resume'>, session: string, log: Logger): { errorMs: number } {
-  const errorMs = Math.round(r.guestNowMs - Date.now());
-  if (r.clockError || !r.reseeded || Math.abs(errorMs) > CLOCK_TOLERANCE_MS) {
-    log.error('vm.resume_incomplete', { session, clockSet: r.clockSet, reseeded: r.reseeded, clockError: r.clockError, clockDeltaMs: Math.round(r.clockDeltaMs), guestMinusHostMs: errorMs });
+/**
+ * Checks what the guest reported of its clock after a restore. The first set lands behind
+ * by however long the request took to reach the agent's handler (seconds right after a
+ * restore on a loaded TCG host, where the guest's first instructions are translated as they
+ * run): then the clock is set once more, now that the guest answers quickly. A clock still
+ * wrong after that is logged loudly, not hidden.
+ */
+async function settleClock(agent: AgentClient, first: ResultOf<'agent.resume'>, session: string, log: Logger): Promise<{ errorMs: number; resets: number }> {
+  let r = first;
+  let errorMs = Math.round(r.guestNowMs - Date.now());
+  let resets = 0;
+  if (r.clockSet && Math.abs(errorMs) > CLOCK_TOLERANCE_MS) {
+    r = await resumeGuest(agent);
+    errorMs = Math.round(r.guestNowMs - Date.now());
+    resets = 1;
   }
-  return { errorMs };
+  if (r.clockError || !r.reseeded || Math.abs(errorMs) > CLOCK_TOLERANCE_MS) {
+    log.error('vm.resume_incomplete', { session, clockSet: r.clockSet, reseeded: r.reseeded, clockError: r.clockError, clockDeltaMs: Math.round(r.clockDeltaMs), guestMinusHostMs: errorMs, resets });
+  }
+  return { errorMs, resets };
 }
