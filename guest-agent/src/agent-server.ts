@@ -96,6 +96,18 @@ export class Agent {
         return { bytes };
       },
       'agent.resume': (p) => resumeAfterRestore(p, this.opts.ownsMachine ?? false, (done) => this.execs.holdUntil(done)),
+      'agent.detach': async (_p, ctx) => {
+        // Answer first, then let go of the channel: the port is reopened and the agent waits
+        // for the next broker with no session of its own, so a snapshot taken now restores
+        // the same way whoever was attached when it was taken.
+        setTimeout(() => ctx.connection.close('detached by the broker'), 20).unref();
+        return { detached: true };
+      },
+      'debug.exit': async (p) => {
+        // Fault injection for the soak bench: the agent process dies as if it crashed.
+        setTimeout(() => process.exit(p.code ?? 70), 20);
+        return { exiting: true };
+      },
       'agent.state': (p) => guestState({ overlayUpper: this.opts.overlayUpper, workloadCgroup: this.opts.workloadCgroup, maxPaths: p.maxPaths ?? 50 }),
       'debug.echo': async (p, ctx) => {
         const input = ctx.inbound(p.input);
@@ -121,7 +133,7 @@ export class Agent {
    */
   serve(socket: Duplex, opts: { channel?: boolean } = {}): Connection {
     const conn = new Connection(socket, {
-      ...(opts.channel ? { awaitPeerHello: true, allowRehello: true } : {}),
+      ...(opts.channel ? { channel: true } : {}),
       role: 'agent',
       handlers: this.handlers(),
       caps: { ...this.opts.caps, pid: process.pid, mountPoint: this.ws.mountPoint },

@@ -4,12 +4,13 @@ import { Connection, type RequestOptions } from '../../guest-agent/src/protocol/
 import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import type { Hello } from '../../guest-agent/src/protocol/messages.ts';
 import type { ExecResult, MethodName, ParamsOf, ResultOf, SyncChange, SignalSchema } from '../../guest-agent/src/protocol/methods.ts';
-import type { InboundStream } from '../../guest-agent/src/protocol/flow-control.ts';
 import { SYNC_RECORD_MAX_BYTES, SyncChangesBatchSchema, type SyncChangesBatch } from '../../guest-agent/src/protocol/methods.ts';
 import { FrameDecoder } from '../../guest-agent/src/protocol/frame-codec.ts';
 import { nameToBytes } from '../../guest-agent/src/workspace/names.ts';
+import type { InboundStream } from '../../guest-agent/src/protocol/flow-control.ts';
 import { noopLogger, type Logger } from '../../guest-agent/src/log.ts';
 import type { z } from 'zod';
+import { deadlineFor, execDeadline, type DeadlinePolicy } from './deadlines.ts';
 
 export interface AgentClientOptions {
   log?: Logger;
@@ -18,6 +19,15 @@ export interface AgentClientOptions {
   handshakeTimeoutMs?: number;
   /** Resend hello until answered (device channels that may drop bytes while the guest reopens them). */
   resendHelloMs?: number;
+  /**
+   * Deadlines for every guest RPC (deadlines.ts): past one the call fails with
+   * `guest_unresponsive`. With them comes a heartbeat: a guest that sends nothing for
+   * `deadAfterMs` while calls wait fails them all at once. Absent: no deadlines (tests of
+   * the protocol itself).
+   */
+  deadlines?: DeadlinePolicy;
+  heartbeatMs?: number;
+  deadAfterMs?: number;
 }
 
 export interface ExecRequest {
@@ -32,6 +42,8 @@ export interface ExecRequest {
   onStdout?: (chunk: Uint8Array) => void | Promise<void>;
   onStderr?: (chunk: Uint8Array) => void | Promise<void>;
   signal?: AbortSignal;
+  /** Receives the function that sends the running command a signal. */
+  onSignalable?: (send: (sig: z.infer<typeof SignalSchema>) => Promise<boolean>) => void;
 }
 
 export interface ExecHandle {
@@ -41,8 +53,10 @@ export interface ExecHandle {
   signal(sig: z.infer<typeof SignalSchema>): Promise<boolean>;
 }
 
-/** How long past its own timeout an exec may stay silent before the client gives up on the agent. */
-const EXEC_WATCHDOG_SLACK_MS = 30_000;
+/** The agent's own default exec timeout (guest-agent main.ts --timeout-ms). */
+const DEFAULT_AGENT_EXEC_TIMEOUT_MS = 600_000;
+/** Bytes allowed per streamed file in a sync deadline (the heartbeat catches a dead guest sooner). */
+const STREAMED_FILE_ALLOWANCE = 8 * 1024 * 1024;
 
 /**
  * The broker's client for any guest agent (a VM's virtio-serial port, a vsock, or a Unix
@@ -59,7 +73,35 @@ export class AgentClient {
       ...(opts.windowBytes !== undefined ? { windowBytes: opts.windowBytes } : {}),
       ...(opts.handshakeTimeoutMs !== undefined ? { handshakeTimeoutMs: opts.handshakeTimeoutMs } : {}),
       ...(opts.resendHelloMs !== undefined ? { resendHelloMs: opts.resendHelloMs } : {}),
+      ...(opts.deadlines
+        ? {
+            defaultDeadline: (method: MethodName, params: unknown, streams: number) => this.deadline(method, params, streams, opts.deadlines as DeadlinePolicy),
+            defaultDeadlineCode: 'guest_unresponsive' as const,
+            heartbeatMs: opts.heartbeatMs ?? 2000,
+            deadAfterMs: opts.deadAfterMs ?? 20_000 * opts.deadlines.scale,
+          }
+        : {}),
     });
+    this.policy = opts.deadlines;
+  }
+
+  private readonly policy: DeadlinePolicy | undefined;
+  /** Entries the guest's workspace holds (from the last sync.mark): scans are sized by it. */
+  workspaceEntries = 0;
+
+  private deadline(method: MethodName, params: unknown, streams: number, policy: DeadlinePolicy): number | undefined {
+    if (method === 'exec') {
+      const t = (params as { timeoutMs?: number }).timeoutMs ?? DEFAULT_AGENT_EXEC_TIMEOUT_MS;
+      return execDeadline(t, policy);
+    }
+    let bytes = 0;
+    if (method === 'sync.apply') {
+      for (const c of (params as { changes?: Array<{ data?: Uint8Array }> }).changes ?? []) bytes += c.data?.length ?? 0;
+      bytes += streams * STREAMED_FILE_ALLOWANCE;
+    }
+    if (method === 'sync.read') bytes += STREAMED_FILE_ALLOWANCE;
+    const scans = method === 'sync.mark' || method === 'sync.changes' || method === 'agent.state';
+    return deadlineFor(method, { bytes, ...(scans ? { entries: this.workspaceEntries } : {}) }, policy);
   }
 
   static async connectUnix(path: string, opts: AgentClientOptions = {}): Promise<AgentClient> {
@@ -102,12 +144,11 @@ export class AgentClient {
       ...(req.timeoutMs !== undefined ? { timeoutMs: req.timeoutMs } : {}),
       ...(req.maxOutputBytes !== undefined ? { maxOutputBytes: req.maxOutputBytes } : {}),
     };
-    const watchdog = req.timeoutMs !== undefined ? req.timeoutMs + EXEC_WATCHDOG_SLACK_MS : undefined;
     const { id: call, result: response } = conn.begin('exec', params, {
       streams,
       ...(req.signal ? { signal: req.signal } : {}),
-      ...(watchdog !== undefined ? { timeoutMs: watchdog } : {}),
     });
+    req.onSignalable?.(async (sig) => (await conn.request('exec.signal', { call, signal: sig })).delivered);
     const drained = Promise.all([drain(stdout, req.onStdout), drain(stderr, req.onStderr)]);
     drained.catch(() => undefined); // the response carries the failure; don't report it twice
     if (stdin && req.stdin !== undefined) {
@@ -207,30 +248,52 @@ export class AgentClient {
     onBatch: (batch: SyncChangesBatch) => void | Promise<void>,
   ): Promise<ResultOf<'sync.changes'>> {
     const s = this.connection.openInbound();
-    const res = this.connection.request('sync.changes', { ...params, stream: s.id }, { streams: [s.id] });
+    // A change set has no size bound, so no total deadline can be sized before it is known
+    // (a deadline sized by the last scan killed the VM of a call that made 100,000 files).
+    // With deadlines on, the guest must keep the stream moving instead: it sends a record at
+    // least every second (an empty one while it scans), and a wait for the next chunk longer
+    // than sync.changes' base deadline means it stopped answering. The broker's own time on a
+    // batch (staging it on the host) does not count against the guest.
+    const idleMs = this.policy ? deadlineFor('sync.changes', {}, this.policy) : undefined;
+    const abort = new AbortController();
+    const res = this.connection.request('sync.changes', { ...params, stream: s.id }, {
+      streams: [s.id],
+      signal: abort.signal,
+      ...(idleMs !== undefined ? { timeoutMs: STREAM_PROGRESS_ONLY_MS } : {}),
+    });
     const consume = (async () => {
       const records = new FrameDecoder(SYNC_RECORD_MAX_BYTES);
+      const chunks = s[Symbol.asyncIterator]();
       try {
-        for await (const chunk of s) {
+        for (;;) {
+          const next = await withIdleDeadline(chunks.next(), idleMs, 'sync.changes');
+          if (next.done) break;
+          const chunk = next.value;
           for (const r of records.push(Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength))) {
             if (!r.ok) throw r.error;
             const batch = SyncChangesBatchSchema.safeParse(r.value);
             if (!batch.success) throw new HutchError('internal', `invalid sync.changes record from the agent: ${batch.error.issues[0]?.message ?? ''}`);
-            await onBatch(batch.data);
+            if (batch.data.changes.length || batch.data.skipped.length) await onBatch(batch.data);
           }
         }
         if (records.hasPartialFrame) throw new HutchError('internal', 'sync.changes stream ended inside a record');
       } catch (err) {
         s.stop();
+        abort.abort();
         throw err;
       }
     })();
-    // The agent's error (unknown marker, ...) explains a short stream better than the stream does.
     const [r, c] = await Promise.allSettled([res, consume]);
+    // A silent guest explains everything else (the cancelled request); otherwise the agent's
+    // own error (unknown marker, ...) explains a short stream better than the stream does.
+    if (c.status === 'rejected' && c.reason instanceof HutchError && c.reason.code === 'guest_unresponsive') throw c.reason;
     if (r.status === 'rejected') throw r.reason;
     if (c.status === 'rejected') throw c.reason;
+    // The next scan (sync.mark, agent.state) walks what this one found: size its deadline by it.
+    this.workspaceEntries = r.value.entries;
     return r.value;
   }
+
 
   /** Sends bytes through a stream to the agent and back (tests and the protocol bench). */
   async echo(source: AsyncIterable<Uint8Array>, sink: (chunk: Uint8Array) => void | Promise<void>): Promise<number> {
@@ -249,6 +312,19 @@ export class AgentClient {
   close(): void {
     this.connection.close();
   }
+}
+
+/** A streaming sync call is bounded by its progress (withIdleDeadline), not by a total: this only backs it up. */
+const STREAM_PROGRESS_ONLY_MS = 24 * 3600 * 1000;
+
+/** Resolves with `p`, or fails with guest_unresponsive if it takes longer than `ms` (no limit when undefined). */
+function withIdleDeadline<T>(p: Promise<T>, ms: number | undefined, method: string): Promise<T> {
+  if (ms === undefined) return p;
+  let timer: NodeJS.Timeout | undefined;
+  const idle = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new HutchError('guest_unresponsive', `the guest sent nothing on its ${method} stream for ${ms} ms`, { method, deadlineMs: ms })), ms);
+  });
+  return Promise.race([p, idle]).finally(() => clearTimeout(timer));
 }
 
 /** Sync paths travel as bytes; a caller may name one by its surrogateescape string. */

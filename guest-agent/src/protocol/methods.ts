@@ -197,7 +197,8 @@ export type SyncSkipped = z.infer<typeof SyncSkippedSchema>;
  * sync.changes answers on a stream, not in its response: a change set has no size bound
  * (npm install makes 100,000 files) while a frame has. The stream carries records, each
  * one frame-codec frame holding a batch, sent with the stream's flow control. Deletions
- * come first (deepest first), then everything else parents first.
+ * come first (deepest first), then everything else parents first. While the agent scans
+ * it sends an empty record every second, so the broker can tell slow from stuck.
  */
 export const SyncChangesBatchSchema = z.object({ changes: z.array(SyncEntrySchema), skipped: z.array(SyncSkippedSchema) });
 export type SyncChangesBatch = z.infer<typeof SyncChangesBatchSchema>;
@@ -214,6 +215,8 @@ export const SyncChangesParamsSchema = z.object({
 });
 export const SyncChangesResultSchema = z.object({
   marker: z.string(),
+  /** Entries the workspace holds now (what the next scan walks: deadlines are sized by it). */
+  entries: z.number().int(),
   /** Entries and skipped entries sent on the stream, and the batches they came in. */
   changes: z.number().int(),
   skipped: z.number().int(),
@@ -232,7 +235,18 @@ export const ResumeParamsSchema = z.object({
   unixTimeMs: z.number().positive(),
   entropy: z.custom<Uint8Array>((v) => v instanceof Uint8Array && v.length >= 32 && v.length <= 4096, '32..4096 bytes of entropy'),
 });
-export const ResumeResultSchema = z.object({ clockDeltaMs: z.number(), clockSet: z.boolean(), reseeded: z.boolean() });
+export const ResumeResultSchema = z.object({
+  /** The broker's time minus the guest's when the call arrived. */
+  clockDeltaMs: z.number(),
+  /** True only once the clock was really set (`date -s` succeeded). */
+  clockSet: z.boolean(),
+  reseeded: z.boolean(),
+  /** The guest's clock when it answered: the broker checks it against its own. */
+  guestNowMs: z.number(),
+  /** Why the clock could not be set. */
+  clockError: z.string().optional(),
+  clockNote: z.string().optional(),
+});
 /** What the tenant changed outside the workspace, and what still runs: the broker's release decision. */
 export const StateParamsSchema = z.object({ maxPaths: z.number().int().positive().max(10_000).optional() });
 export const StateResultSchema = z.object({
@@ -245,6 +259,12 @@ export const StateResultSchema = z.object({
   /** Whether the answer is known: false when the agent has no overlay to look at (not in a VM). */
   tracked: z.boolean(),
 });
+/** Before a snapshot: the agent ends its session and waits for the next broker on a fresh port open. */
+export const DetachParamsSchema = z.object({});
+export const DetachResultSchema = z.object({ detached: z.boolean() });
+/** Fault injection (soak bench): the agent process exits. Only the broker can reach it. */
+export const DebugExitParamsSchema = z.object({ code: z.number().int().min(1).max(125).optional() });
+export const DebugExitResultSchema = z.object({ exiting: z.boolean() });
 export const DebugEchoParamsSchema = z.object({ input: streamId, output: streamId });
 export const DebugEchoResultSchema = z.object({ bytes: z.number().int() });
 
@@ -268,6 +288,8 @@ export const METHODS = {
   'sync.read': { params: SyncReadParamsSchema, result: SyncReadResultSchema },
   'agent.resume': { params: ResumeParamsSchema, result: ResumeResultSchema },
   'agent.state': { params: StateParamsSchema, result: StateResultSchema },
+  'agent.detach': { params: DetachParamsSchema, result: DetachResultSchema },
+  'debug.exit': { params: DebugExitParamsSchema, result: DebugExitResultSchema },
   /** Copies one inbound stream to one outbound stream: protocol tests and the throughput bench. */
   'debug.echo': { params: DebugEchoParamsSchema, result: DebugEchoResultSchema },
   ...MEMORY_METHODS,
