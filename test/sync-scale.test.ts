@@ -146,3 +146,46 @@ describe('workspace sync: names as bytes, typed errors, scale (real agent proces
     expect(lstatSync(join(host.root, 'shared')).mode & 0o7777).toBe(0o777);
   });
 });
+
+describe('sync.changes is bounded by progress, not by a total deadline', () => {
+  // Deadlines at 1% of their size: sync.changes' idle limit is 200 ms here.
+  const deadlines = { scale: 0.01 };
+
+  it('a slow consumer on the broker side is not a stuck guest; a stopped guest is, with a typed error', async () => {
+    const agent = await startAgent({ client: { deadlines, deadAfterMs: 60_000 } });
+    try {
+      const { marker } = await agent.client.call('sync.mark', {});
+      for (let i = 0; i < 3000; i++) writeFileSync(join(agent.root, `f${i}.txt`), Buffer.alloc(300, 97));
+      // Staging on the host may take longer than the idle limit per batch: that time is the broker's.
+      let batches = 0;
+      const r = await agent.client.syncChanges({ since: marker }, async () => {
+        batches++;
+        await new Promise((res) => setTimeout(res, 400));
+      });
+      expect(batches).toBeGreaterThan(1);
+      expect(r.changes).toBe(3000);
+      expect(r.entries).toBe(3000);
+
+      // A guest that stops mid-stream (SIGSTOP) is unresponsive: a typed error, not a hang.
+      const m2 = await agent.client.call('sync.mark', {});
+      for (let i = 0; i < 3000; i++) writeFileSync(join(agent.root, `g${i}.txt`), Buffer.alloc(300, 98));
+      let stopped = false;
+      const failed = await agent.client
+        .syncChanges({ since: m2.marker }, () => {
+          if (!stopped) {
+            stopped = true;
+            agent.proc.kill('SIGSTOP');
+          }
+        })
+        .then(
+          () => undefined,
+          (e: unknown) => e,
+        );
+      agent.proc.kill('SIGCONT');
+      expect(failed).toMatchObject({ code: 'guest_unresponsive' });
+    } finally {
+      agent.proc.kill('SIGCONT');
+      await agent.stop();
+    }
+  });
+});

@@ -106,18 +106,28 @@ export class WorkspaceSync {
   async changes(since: string, opts: ChangesOptions, sink: RecordSink): Promise<ResultOf<'sync.changes'>> {
     const before = this.markers.get(since);
     if (!before) throw new HutchError('not_found', `unknown sync marker ${since}`, { marker: since });
-    const now = await this.scan();
+    // A scan of a big tree takes a while (minutes under TCG): empty records on the stream
+    // meanwhile tell the broker the guest is working, not stuck.
+    const keepalive = keepaliveFor(sink);
+    const now = await this.scan(keepalive);
     const rootFd = openSyncRoot(this.ws.root);
     const parents = new SyncParentCache(rootFd);
     try {
-      return await this.emit(before, now, opts, sink, parents);
+      return { ...(await this.emit(before, now, opts, sink, parents, keepalive)), entries: now.size };
     } finally {
       parents.close();
       closeQuietly(rootFd);
     }
   }
 
-  private async emit(before: Manifest, now: Manifest, opts: ChangesOptions, sink: RecordSink, parents: SyncParentCache): Promise<ResultOf<'sync.changes'>> {
+  private async emit(
+    before: Manifest,
+    now: Manifest,
+    opts: ChangesOptions,
+    sink: RecordSink,
+    parents: SyncParentCache,
+    keepalive: ReturnType<typeof keepaliveFor>,
+  ): Promise<Omit<ResultOf<'sync.changes'>, 'entries'>> {
     const inlineMax = Math.min(opts.inlineMaxBytes, INLINE_CAP_BYTES);
     let batch: SyncChangesBatch = { changes: [], skipped: [] };
     let batchBytes = 0;
@@ -125,6 +135,7 @@ export class WorkspaceSync {
     const flush = async (): Promise<void> => {
       if (batch.changes.length === 0 && batch.skipped.length === 0) return;
       await sink.write(encodeFrame(batch, SYNC_RECORD_MAX_BYTES));
+      keepalive.sent();
       totals.batches++;
       batch = { changes: [], skipped: [] };
       batchBytes = 0;
@@ -147,7 +158,10 @@ export class WorkspaceSync {
     for (const p of [...now.keys()].sort()) {
       const e = now.get(p) as ManifestEntry;
       const old = before.get(p);
-      if (old && sameEntry(old, e)) continue;
+      if (old && sameEntry(old, e)) {
+        await keepalive();
+        continue;
+      }
       const raw = nameToBytes(p);
       if (e.kind === 'other') {
         await skip(raw, 'unsupported_file_type', `${p} is a FIFO, socket or device node; sync carries regular files, directories and symlinks`);
@@ -218,9 +232,10 @@ export class WorkspaceSync {
     }
   }
 
-  private async scan(): Promise<Manifest> {
+  private async scan(progress?: () => Promise<void>): Promise<Manifest> {
     const m: Manifest = new Map();
     for await (const e of walk(this.ws.root)) {
+      if (progress) await progress();
       let st: BigIntStats | undefined;
       try {
         // Through the walk's held directory fd: what is stat-ed is the entry the walk listed.
@@ -339,6 +354,21 @@ async function clearForReplace(dir: number, name: Buffer, kind: 'file' | 'dir' |
   } else if (kind === 'dir') {
     unlinkAt(dir, name);
   }
+}
+
+/** Records sent while nothing else goes out, so the broker sees a working guest at least this often. */
+const KEEPALIVE_MS = 1000;
+const EMPTY_RECORD = encodeFrame({ changes: [], skipped: [] }, SYNC_RECORD_MAX_BYTES);
+
+/** Sends an empty record when nothing went out for KEEPALIVE_MS; `sent()` notes a real record. */
+function keepaliveFor(sink: RecordSink): (() => Promise<void>) & { sent(): void } {
+  let last = Date.now();
+  const fn = async () => {
+    if (Date.now() - last < KEEPALIVE_MS) return;
+    last = Date.now();
+    await sink.write(EMPTY_RECORD);
+  };
+  return Object.assign(fn, { sent: () => void (last = Date.now()) });
 }
 
 function sameEntry(a: ManifestEntry, b: ManifestEntry): boolean {
