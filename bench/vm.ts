@@ -7,11 +7,20 @@
  *   restore_over_boot        restore_ms / cold_boot_ms
  *   private_mib_per_idle_vm  median Private (clean+dirty) of 10 restored idle VMs, smaps_rollup
  *   pss_mib_per_idle_vm      median PSS of the same
+ *   private_mib_after_call   the same 10 VMs after each ran a call and idled again: private (USS),
+ *   pss_mib_after_call       PSS, and the TCG translation buffer apart (host-broker/src/vm/smaps.ts
+ *   tcg_tb_mib               says how it is found): tcg_tb_mib is its resident size, and
+ *   private_mib_excl_tcg     private_mib_excl_tcg what the VM costs without it (as on KVM)
+ *   tcg_tb_size_mib          the buffer size QEMU ran with (its command line)
+ *   tb_<N>_run_ms            at tb-size N MiB (64, 32, 16; same run): wall time of the first
+ *                            `python3 -m unittest` on datespan in a restored VM, median of rounds,
+ *                            with tb_<N>_resident_mib the buffer resident after it and
+ *                            tb_<N>_anon_excl_tcg_mib QEMU's other anonymous memory
  *   unittest_cpu_ms_preloaded / _cold   guest user+sys CPU of `python3 -m unittest` on datespan,
  *                            in a restored VM (stdlib preloaded before the snapshot) vs a VM booted
  *                            with hutch.preload=0 (first run in each)
  */
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
@@ -23,6 +32,7 @@ import { cacheDir } from '../host-broker/src/backends/registry.ts';
 import type { AgentClient } from '../host-broker/src/agent-client.ts';
 import { connectAgent } from '../host-broker/src/vm/agent-channel.ts';
 import { WorkspaceMirror } from '../host-broker/src/sync/workspace-mirror.ts';
+import { qemuMemory, type QemuMemory } from '../host-broker/src/vm/smaps.ts';
 import type { Vm, VmSpec } from '../host-broker/src/vm/vmm.ts';
 import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
 import { prepareWorkspace } from './lib/sessions.ts';
@@ -74,7 +84,10 @@ for (let i = 0; i < restoreRuns; i++) {
 }
 progress(`restores: ${restore.map((x) => x.toFixed(0)).join(', ')} ms`);
 
-// Ten idle VMs restored side by side: what each costs the host.
+// Ten idle VMs restored side by side: what each costs the host, idle as restored, then idle
+// again after a call (side by side, so the snapshot's clean pages count as shared, as they
+// are on a host with many tenants).
+const IDLE_CALL = 'ls -la / >/dev/null && python3 -c "import json; print(json.dumps({\'ok\': sum(range(100000))}))"';
 const idle: Array<{ vm: Vm; agent: AgentClient }> = [];
 for (let i = 0; i < 10; i++) {
   const r = await firstReply(() => backend.driver.restore(spec(), pristine), 60_000);
@@ -84,13 +97,32 @@ for (let i = 0; i < 10; i++) {
 await new Promise((r) => setTimeout(r, 5000));
 const mem = await Promise.all(idle.map((x) => x.vm.stats()));
 for (const x of idle) {
+  const r = await x.agent.run({ command: IDLE_CALL });
+  if (r.exitCode !== 0) throw new Error(`idle VM call exited ${r.exitCode}: ${r.stderrText}`);
+}
+await new Promise((r) => setTimeout(r, 5000));
+const afterCall: QemuMemory[] = await Promise.all(idle.map((x) => qemuMemory(x.vm.pid)));
+const tbSizeMiB = Number(/tb-size=(\d+)/.exec(readFileSync(`/proc/${idle[0]?.vm.pid}/cmdline`, 'utf8'))?.[1] ?? NaN);
+for (const x of idle) {
   x.agent.close();
   await x.vm.destroy();
 }
 const privMiB = mem.map((m) => m.privateKiB / 1024);
 const pssMiB = mem.map((m) => m.pssKiB / 1024);
 const rssMiB = mem.map((m) => m.rssKiB / 1024);
+const mib = (f: (m: QemuMemory) => number) => round(median(afterCall.map((m) => f(m) / 1024)), 1);
+const after = {
+  private_mib_after_call: mib((m) => m.total.privateKiB),
+  pss_mib_after_call: mib((m) => m.total.pssKiB),
+  tcg_tb_mib: mib((m) => m.tcg.rssKiB),
+  anon_mib_excl_tcg: mib((m) => m.excludingTcg.anonKiB),
+  private_mib_excl_tcg: mib((m) => m.excludingTcg.privateKiB),
+  pss_mib_excl_tcg: mib((m) => m.excludingTcg.pssKiB),
+  swap_mib_after_call: mib((m) => m.total.swapKiB),
+  tcg_tb_size_mib: tbSizeMiB,
+};
 progress(`10 idle VMs: private ${median(privMiB).toFixed(1)} MiB, PSS ${median(pssMiB).toFixed(1)} MiB, RSS ${median(rssMiB).toFixed(1)} MiB each`);
+progress(`after a call: ${JSON.stringify(after)}`);
 
 /**
  * Guest CPU (user+sys, ms) of `python3 -m unittest` on datespan, first and second run, in
@@ -98,8 +130,13 @@ progress(`10 idle VMs: private ${median(privMiB).toFixed(1)} MiB, PSS ${median(p
  * translation cache empty (TCG JIT state is host-side and not in the snapshot): the
  * difference is what the guest-side preload did (page cache, dentries), nothing else.
  */
-async function unittestCpu(snapshot: typeof pristine, image = backend.image, envPrefix = ''): Promise<{ first: number; second: number; exitCode: number | null }> {
-  const { vm, agent } = await firstReply(() => backend.driver.restore(spec({ image }), snapshot), 60_000);
+async function unittestCpu(
+  snapshot: typeof pristine,
+  image = backend.image,
+  envPrefix = '',
+  be: QemuBackend = backend,
+): Promise<{ first: number; second: number; firstWallMs: number; exitCode: number | null; tcgResidentMiB: number; anonExclTcgMiB: number }> {
+  const { vm, agent } = await firstReply(() => be.driver.restore(spec({ image }), snapshot), 60_000);
   try {
     await agent.call('agent.resume', { unixTimeMs: Date.now(), entropy: new Uint8Array(64).fill(7) });
     const ws = join(dataDir, `datespan-${vm.spec.id}`);
@@ -107,14 +144,18 @@ async function unittestCpu(snapshot: typeof pristine, image = backend.image, env
     const w = new Workspace(ws);
     await new WorkspaceMirror(w, new WorkspaceSync(w)).push(agent);
     const cpu: number[] = [];
+    const wall: number[] = [];
     let exitCode: number | null = null;
     for (let i = 0; i < 2; i++) {
+      const t = performance.now();
       const r = await agent.run({ command: `TIMEFORMAT="%3U %3S"; { time ${envPrefix}python3 -m unittest >/dev/null 2>&1; } 2>&1; exit 0` });
+      wall.push(performance.now() - t);
       const [u, s] = r.stdoutText.trim().split(/\s+/).map(Number);
       cpu.push(((u ?? NaN) + (s ?? NaN)) * 1000);
       exitCode = r.exitCode;
     }
-    return { first: cpu[0] as number, second: cpu[1] as number, exitCode };
+    const m = await qemuMemory(vm.pid);
+    return { first: cpu[0] as number, second: cpu[1] as number, firstWallMs: wall[0] as number, exitCode, tcgResidentMiB: m.tcg.rssKiB / 1024, anonExclTcgMiB: m.excludingTcg.anonKiB / 1024 };
   } finally {
     agent.close();
     await vm.destroy();
@@ -128,6 +169,40 @@ const coldPy = await unittestCpu(coldPristine, coldImage);
 // Python compiles every stdlib module it imports from source, and cannot save the result.
 const noPyc = await unittestCpu(coldPristine, coldImage, 'PYTHONDONTWRITEBYTECODE=1 PYTHONPYCACHEPREFIX=/nonexistent ');
 progress(`unittest CPU (first/second run): preloaded ${preloaded.first.toFixed(0)}/${preloaded.second.toFixed(0)} ms, no preload ${coldPy.first.toFixed(0)}/${coldPy.second.toFixed(0)} ms, no bytecode ${noPyc.first.toFixed(0)}/${noPyc.second.toFixed(0)} ms`);
+
+// What a smaller translation buffer costs a guest workload: the same restored-VM unittest
+// run at each tb-size, rounds interleaved so load drifts hit every size alike. Only under
+// TCG (KVM has no buffer).
+const TB_SIZES = [64, 32, 16] as const;
+const tbRuns: Record<number, Array<{ wallMs: number; cpuMs: number; residentMiB: number; anonExclTcgMiB: number }>> = { 64: [], 32: [], 16: [] };
+if (backend.accel === 'tcg') {
+  const backends = new Map<number, QemuBackend>();
+  for (const tb of TB_SIZES) {
+    backends.set(tb, await QemuBackend.create({ dataDir: join(dataDir, `tb${tb}`), cacheDir: cacheDir(), log, tcgTbMiB: tb }));
+  }
+  for (let round = 0; round < (quick ? 1 : 3); round++) {
+    for (const tb of TB_SIZES) {
+      const r = await unittestCpu(pristine, backend.image, '', backends.get(tb));
+      tbRuns[tb]?.push({ wallMs: r.firstWallMs, cpuMs: r.first, residentMiB: r.tcgResidentMiB, anonExclTcgMiB: r.anonExclTcgMiB });
+    }
+  }
+  for (const be of backends.values()) await be.shutdown();
+  progress(`tb-size: ${TB_SIZES.map((tb) => `${tb} MiB ${median(tbRuns[tb]?.map((x) => x.wallMs) ?? []).toFixed(0)} ms`).join(', ')}`);
+}
+const tbSummary = Object.fromEntries(
+  TB_SIZES.flatMap((tb) => {
+    const runs = tbRuns[tb] ?? [];
+    if (runs.length === 0) return [];
+    return [
+      [`tb_${tb}_run_ms`, round(median(runs.map((x) => x.wallMs)), 0)],
+      [`tb_${tb}_guest_cpu_ms`, round(median(runs.map((x) => x.cpuMs)), 0)],
+      [`tb_${tb}_resident_mib`, round(median(runs.map((x) => x.residentMiB)), 1)],
+      // QEMU's anonymous memory beside the buffer (guest RAM copied on write, TCG's metadata
+      // of the translated blocks, heap): part of it grows with the number of blocks.
+      [`tb_${tb}_anon_excl_tcg_mib`, round(median(runs.map((x) => x.anonExclTcgMiB)), 1)],
+    ];
+  }),
+);
 await backend.shutdown();
 rmSync(dataDir, { recursive: true, force: true });
 
@@ -139,13 +214,14 @@ const summary = {
   private_mib_per_idle_vm: round(median(privMiB), 1),
   pss_mib_per_idle_vm: round(median(pssMiB), 1),
   rss_mib_per_idle_vm: round(median(rssMiB), 1),
+  ...after,
+  ...tbSummary,
   unittest_cpu_ms_preloaded: round(preloaded.first, 0),
   unittest_cpu_ms_cold: round(coldPy.first, 0),
   unittest_cpu_ratio: round(preloaded.first / coldPy.first, 2),
   unittest_cpu_ms_preloaded_second_run: round(preloaded.second, 0),
   unittest_cpu_ms_cold_second_run: round(coldPy.second, 0),
   unittest_cpu_ms_no_bytecode: round(noPyc.first, 0),
-  tcg_tb_mib: tbMiB ?? 64,
   pristine_build_ms: backend.image.built.kernelSeconds || backend.image.built.rootfsSeconds || pristineMs > 5000 ? round(pristineMs, 0) : 0,
   ...(backend.image.built.kernelSeconds ? { kernel_build_s: round(backend.image.built.kernelSeconds, 0) } : {}),
   ...(backend.image.built.rootfsSeconds ? { rootfs_build_s: round(backend.image.built.rootfsSeconds, 0) } : {}),
@@ -158,6 +234,11 @@ emit(
     { measure: 'restore to first agent reply (ms, median)', value: summary.restore_ms, aim: '' },
     { measure: 'private MiB per idle VM (10 restored)', value: summary.private_mib_per_idle_vm, aim: '<= 40' },
     { measure: 'PSS MiB per idle VM (10 restored)', value: summary.pss_mib_per_idle_vm, aim: '' },
+    { measure: 'private MiB per idle VM after a call', value: summary.private_mib_after_call, aim: '' },
+    { measure: 'PSS MiB per idle VM after a call', value: summary.pss_mib_after_call, aim: '' },
+    { measure: `TCG translation buffer resident MiB after a call (tb-size ${summary.tcg_tb_size_mib})`, value: summary.tcg_tb_mib, aim: '' },
+    { measure: 'private MiB per idle VM after a call, TCG buffer excluded', value: summary.private_mib_excl_tcg, aim: '<= 16' },
+    ...TB_SIZES.filter((tb) => `tb_${tb}_run_ms` in tbSummary).map((tb) => ({ measure: `unittest run ms at tb-size ${tb} (resident MiB ${tbSummary[`tb_${tb}_resident_mib`]})`, value: tbSummary[`tb_${tb}_run_ms`] ?? null, aim: '' })),
     { measure: 'unittest guest CPU ms, preloaded', value: summary.unittest_cpu_ms_preloaded, aim: '' },
     { measure: 'unittest guest CPU ms, no preload (image bytecode only)', value: summary.unittest_cpu_ms_cold, aim: 'preload <= half' },
     { measure: 'unittest guest CPU ms, no bytecode cache at all', value: summary.unittest_cpu_ms_no_bytecode, aim: '' },

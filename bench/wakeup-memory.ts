@@ -12,7 +12,11 @@
  *
  *   <workload>_<policy>_swap_mb_read   MB read from the swap disk by the wake (prefetch + call), median
  *   <workload>_<policy>_wake_ms        prefetch + call, host wall time, median
- *   <workload>_<policy>_idle_host_mib  QEMU RSS on the host after reclaim, once free page reporting settled, median
+ *   <workload>_<policy>_idle_host_mib  what the idle VM costs the host after reclaim, once free page reporting
+ *                                      settled: QEMU's private memory (USS) plus what of it the host swapped
+ *                                      out, median. Not RSS, which also counts pages shared with other
+ *                                      processes (QEMU's binary and libraries).
+ *   <workload>_<policy>_idle_rss_mib   QEMU's RSS at the same moment, for comparison
  *
  * Median of rounds 2..N (round 1 warms caches). Each policy has its own VM (see runPolicy).
  *
@@ -58,6 +62,7 @@ interface Sample {
   reclaimedMiB: number;
   reclaimMs: number;
   idleHostMiB: number;
+  idleRssMiB: number;
   prefetchMs: number;
   prefetchPages: number;
   callMs: number;
@@ -67,27 +72,33 @@ interface Sample {
   majorFaults: number;
 }
 
+/** What a VM costs the host (MiB): QEMU's private memory plus what the host swapped out of it. */
+async function hostCostMiB(vm: Vm): Promise<{ cost: number; rss: number }> {
+  const m = await processMemory(vm.pid);
+  return { cost: (m.privateKiB + m.swapKiB) / 1024, rss: m.rssKiB / 1024 };
+}
+
 /**
- * QEMU's RSS once free page reporting has settled: the guest reports in passes 2 s apart,
+ * hostCostMiB once free page reporting has settled: the guest reports in passes 2 s apart,
  * each covering part of the free lists, so wait a few passes, then for 4 s without change.
  */
-async function settledRssMiB(vm: Vm): Promise<number> {
+async function settledCostMiB(vm: Vm): Promise<{ cost: number; rss: number }> {
   await sleep(6000);
-  let last = (await processMemory(vm.pid)).rssKiB;
+  let last = await hostCostMiB(vm);
   for (let stable = 0, i = 0; stable < 4 && i < 40; i++) {
     await sleep(1000);
-    const now = (await processMemory(vm.pid)).rssKiB;
-    stable = Math.abs(now - last) < 512 ? stable + 1 : 0;
+    const now = await hostCostMiB(vm);
+    stable = Math.abs(now.cost - last.cost) < 0.5 ? stable + 1 : 0;
     last = now;
   }
-  return last / 1024;
+  return last;
 }
 
 async function oneRound(agent: AgentClient, vm: Vm, w: LongLivedWorkload, policy: Policy, roundNo: number): Promise<Sample> {
   const warm = await callWorkload(agent, w);
-  const busyHostMiB = (await processMemory(vm.pid)).rssKiB / 1024;
+  const busyHostMiB = (await hostCostMiB(vm)).cost;
   const r = await agent.call('mem.reclaim', policy === 'hotset' ? { target: 'all', hotSetLast: true } : { target: 'all' });
-  const idleHostMiB = await settledRssMiB(vm);
+  const idle = await settledCostMiB(vm);
   const before = (await agent.call('mem.status', {})).swap;
   const t0 = performance.now();
   let prefetchMs = 0;
@@ -108,7 +119,8 @@ async function oneRound(agent: AgentClient, vm: Vm, w: LongLivedWorkload, policy
     busyHostMiB,
     reclaimedMiB: r.reclaimedBytes / 2 ** 20,
     reclaimMs: r.ms,
-    idleHostMiB,
+    idleHostMiB: idle.cost,
+    idleRssMiB: idle.rss,
     prefetchMs,
     prefetchPages,
     callMs: call.wallMs,
@@ -168,6 +180,7 @@ for (const w of WORKLOADS) {
     summary[`${w.name}_${policy}_swap_mb_read`] = round(m((s) => s.swapMbRead), 1);
     summary[`${w.name}_${policy}_wake_ms`] = round(m((s) => s.wakeMs), 0);
     summary[`${w.name}_${policy}_idle_host_mib`] = round(m((s) => s.idleHostMiB), 1);
+    summary[`${w.name}_${policy}_idle_rss_mib`] = round(m((s) => s.idleRssMiB), 1);
     rows.push({
       workload: w.name,
       policy,
@@ -177,8 +190,9 @@ for (const w of WORKLOADS) {
       'swap MB read': round(m((s) => s.swapMbRead), 1),
       'zswap MB read': round(m((s) => s.zswapMbRead), 1),
       'major faults': m((s) => s.majorFaults),
-      'idle host MiB': round(m((s) => s.idleHostMiB), 1),
-      'busy host MiB': round(m((s) => s.busyHostMiB), 1),
+      'idle host MiB (private + swap)': round(m((s) => s.idleHostMiB), 1),
+      'idle RSS MiB': round(m((s) => s.idleRssMiB), 1),
+      'busy host MiB (private + swap)': round(m((s) => s.busyHostMiB), 1),
       'reclaimed MiB': round(m((s) => s.reclaimedMiB), 1),
       'warm call ms': round(m((s) => s.warmMs), 0),
     });
