@@ -43,6 +43,8 @@ export interface SessionDeps {
   metrics?: BrokerMetrics;
   log: Logger;
   maxFileBytes?: number;
+  /** Ceiling on a call's timeout (default MAX_CALL_TIMEOUT_MS). */
+  maxCallTimeoutMs?: number;
   /** Routing, wake and release policy (levels). */
   policy: SandboxPolicy;
 }
@@ -51,6 +53,8 @@ export interface SessionDeps {
 export const DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024;
 /** The recorded sessions' default bash timeout. */
 export const DEFAULT_BASH_TIMEOUT_MS = 600_000;
+/** The longest timeout a call may ask for (a call holds its session's queue and a VM slot meanwhile). */
+export const MAX_CALL_TIMEOUT_MS = 3_600_000;
 
 /**
  * One sandbox as the harness sees it: a host-owned workspace, calls executed in order,
@@ -213,6 +217,10 @@ export class Session {
       : { route: 'vm' as const, reason: 'routing off: every call runs in the VM' };
     routed.route = decision.route;
     const timeoutMs = a.timeout ?? (a.timeout_s !== undefined ? Math.round(a.timeout_s * 1000) : DEFAULT_BASH_TIMEOUT_MS);
+    const ceiling = this.deps.maxCallTimeoutMs ?? MAX_CALL_TIMEOUT_MS;
+    if (timeoutMs > ceiling) {
+      throw new HutchError('bad_request', `a call's timeout may be at most ${ceiling} ms (asked ${timeoutMs} ms)`, { timeoutMs, limit: ceiling });
+    }
     const maxOutputBytes = a.maxOutputBytes ?? DEFAULT_MAX_OUTPUT_BYTES;
     const out = new OutputCollector(maxOutputBytes, sinks.onStdout);
     const err = new OutputCollector(maxOutputBytes, sinks.onStderr);
