@@ -7,7 +7,8 @@ import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
 import { HARNESS_API_VERSION, OPS, type OpName, type SessionTelemetry, type TelemetryEvent, type TelemetryParams } from './api/harness-protocol.ts';
 import { Principals } from './api/principals.ts';
-import { WsServer, type OpContext, type WsLimits } from './api/ws-server.ts';
+import { WsServer, bearer, type OpContext, type WsLimits } from './api/ws-server.ts';
+import { loopbackUrl, McpHttpEndpoint } from './mcp/http.ts';
 import type { VmBackend } from './backends/backend.ts';
 import { initRouter } from './router/index.ts';
 import { privateDir, SessionManager } from './sessions/session-manager.ts';
@@ -117,6 +118,8 @@ export class Broker {
   readonly policy: SandboxPolicy;
   private server: WsServer | undefined;
   private metricsServer: Server | undefined;
+  /** MCP over Streamable HTTP at /mcp: the same tokens, reaching the WebSocket API through the SDK. */
+  private readonly mcp: McpHttpEndpoint;
   private readonly principals: Principals;
   /** The last guest sample per session, from subscriptions: what /metrics reports without asking any guest. */
   private readonly lastSamples = new Map<string, SessionTelemetry>();
@@ -125,6 +128,7 @@ export class Broker {
 
   constructor(private readonly opts: BrokerOptions) {
     this.principals = new Principals({ ...(opts.token !== undefined ? { default: opts.token } : {}), ...opts.tokens });
+    this.mcp = new McpHttpEndpoint({ brokerUrl: () => loopbackUrl(opts.host, this.port), log: opts.log });
     privateDir(opts.dataDir);
     this.policy = { ...DEFAULT_POLICY, ...opts.policy, ...(opts.idleMs !== undefined ? { idleMs: opts.idleMs } : {}) };
     this.admission = new Admission({ ...defaultAdmission(), ...opts.admission });
@@ -169,6 +173,7 @@ export class Broker {
           res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: true }));
           return true;
         }
+        if (McpHttpEndpoint.matches(req.url)) return this.mcp.handle(req, res, principal, bearer(req)).then(() => true);
         if (req.url === '/metrics' || req.url?.startsWith('/metrics?')) {
           if (principal === undefined) {
             res.writeHead(401, { 'content-type': 'text/plain', 'www-authenticate': 'Bearer' }).end('unauthorized: /metrics needs a bearer token (or --metrics-port)\n');
@@ -220,6 +225,7 @@ export class Broker {
 
   async stop(): Promise<void> {
     await new Promise<void>((r) => (this.metricsServer ? this.metricsServer.close(() => r()) : r()));
+    await this.mcp.close();
     await this.server?.close();
     await this.sessions.shutdown();
     await this.opts.backend.shutdown();

@@ -16,12 +16,15 @@ import type { WsLimits } from './api/ws-server.ts';
 import { QemuBackend } from './backends/qemu-backend.ts';
 import { createFastPath } from './tools/fastpath-factory.ts';
 import { LEVEL_NAMES, policyForLevel, type SandboxPolicy } from './policy/sandbox-policy.ts';
+import { MCP_HELP, mcpMain } from './mcp/stdio.ts';
 
 const HELP = `hutch: sandboxes for AI agents, packed densely on one host
 
 usage:
   hutch serve [options]     run the broker (WebSocket API for harnesses)
   hutch prepare [options]   build (or find cached) the guest kernel, rootfs and pristine snapshot
+  hutch mcp [options]       MCP server on stdio for a local agent (a broker's sandboxes as MCP tools;
+                            the broker also serves MCP over Streamable HTTP at /mcp)
 
 serve options:
   --port N          TCP port (default 7070; 0 picks a free one)
@@ -54,7 +57,8 @@ serve options:
   --ready-fd N      when listening, write one JSON line {"url","port",...} to file descriptor N and close it
   --ready-json      print that JSON line on stdout instead of the human-readable line
   -h, --help        this text
-`;
+
+${MCP_HELP}`;
 
 export interface ServeOptions {
   port: number;
@@ -150,6 +154,10 @@ async function main(): Promise<void> {
   }
   if (cmd === 'prepare') {
     await prepare(rest);
+    return;
+  }
+  if (cmd === 'mcp') {
+    await mcpMain(rest, { serve, policyFromFlags });
     return;
   }
   if (cmd !== 'serve') throw new HutchError('bad_request', `unknown command ${cmd} (see hutch --help)`);

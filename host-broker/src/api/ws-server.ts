@@ -203,7 +203,11 @@ export class WsServer {
 
   private async onHttp(req: IncomingMessage, res: ServerResponse): Promise<void> {
     try {
-      if (this.opts.http && (await this.opts.http(req, res, this.opts.principals.authenticate(bearer(req))))) return;
+      const principal = this.opts.principals.authenticate(bearer(req));
+      // An authenticated request (e.g. a long /mcp call or its event stream) is no longer a
+      // stray unauthenticated socket: the handshake deadline does not cut it off.
+      if (principal !== undefined) this.forget(req.socket);
+      if (this.opts.http && (await this.opts.http(req, res, principal))) return;
       res.writeHead(404, { 'content-type': 'text/plain' }).end('not found: connect a WebSocket to this address\n');
     } catch (err) {
       res.writeHead(500, { 'content-type': 'text/plain' }).end(`internal error: ${(err as Error).message}\n`);
@@ -320,7 +324,7 @@ export class WsServer {
 }
 
 /** The bearer token of a request: the Authorization header, else a `token` query parameter (browsers cannot set headers on WebSockets). */
-function bearer(req: IncomingMessage): string | undefined {
+export function bearer(req: IncomingMessage): string | undefined {
   const header = req.headers['authorization'];
   if (typeof header === 'string' && header.startsWith('Bearer ')) return header.slice(7);
   return new URL(req.url ?? '/', 'http://x').searchParams.get('token') ?? undefined;
