@@ -88,7 +88,12 @@ describe('workspace sync: names as bytes, typed errors, scale (real agent proces
     await host.mirror.push(agent.client);
     expect(lstatSync(join(agent.root, 'grows.bin')).size).toBe(300_000);
     expect(lstatSync(join(agent.root, 'pipe')).isFIFO()).toBe(true);
+    // What only the guest holds is known (a release that kills the VM would lose it).
+    expect([...host.mirror.unpulled].sort()).toEqual(['grows.bin', 'pipe']);
+    const m2 = await agent.client.call('sync.mark', {});
     rmSync(join(agent.root, 'pipe'));
+    await host.mirror.pull(agent.client, m2.marker, 100_000);
+    expect([...host.mirror.unpulled]).toEqual(['grows.bin']);
   });
 
   it('carries a 100,000-file change set in bounded batches, and the session keeps working', { timeout: 600_000 }, async () => {

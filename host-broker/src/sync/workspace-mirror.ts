@@ -75,6 +75,12 @@ type PushItem = { rel: string; remove: true } | { rel: string; remove?: false; e
 export class WorkspaceMirror {
   /** What the guest's /work holds, as far as the broker knows; undefined before a push. */
   guestView: Manifest | undefined;
+  /**
+   * Paths the guest holds that a pull could not bring to the host (their errors were on
+   * those calls). Only the guest has them: a release that kills the VM instead of
+   * snapshotting it loses them, so the release decision should weigh a non-empty set.
+   */
+  readonly unpulled = new Set<string>();
   private readonly stateDir: string | undefined;
 
   constructor(
@@ -152,6 +158,7 @@ export class WorkspaceMirror {
       await stage.discard().catch(() => undefined);
       throw err;
     }
+    for (const e of errors) this.unpulled.add(e.path);
     const carryLimits = new Set(['too_large', 'unsupported_file_type']);
     return {
       marker: newMarker,
@@ -214,6 +221,9 @@ export class WorkspaceMirror {
 
   /** The guest now holds what the host holds for the applied paths. */
   private noteApplied(applied: Array<{ key: string; op: string }>): void {
+    for (const a of applied) this.unpulled.delete(a.key);
+    const deleted = applied.filter((a) => a.op === 'delete').map((a) => `${a.key}/`);
+    if (deleted.length) for (const u of [...this.unpulled]) if (deleted.some((d) => u.startsWith(d))) this.unpulled.delete(u);
     const view = this.guestView ?? new Map();
     removeWithChildren(view, new Set(applied.filter((a) => a.op === 'delete').map((a) => a.key)));
     for (const a of applied) {
