@@ -185,6 +185,26 @@ describe('/mcp over Streamable HTTP', () => {
       await client.close();
     }
   });
+
+  it('cancelling a run_command request kills the command', async () => {
+    const client = new Client({ name: 'hutch-mcp-test', version: '1' });
+    const transport = new StreamableHTTPClientTransport(new URL(`http://127.0.0.1:${b.broker.port}/mcp`), { requestInit: { headers: { authorization: `Bearer ${b.token}` } } });
+    try {
+      await client.connect(transport);
+      const id = (await call(client, 'create_sandbox', {})).s['sandbox_id'];
+      const ac = new AbortController();
+      const long = client.callTool({ name: 'run_command', arguments: { sandbox_id: id, command: 'sleep 600' } }, undefined, { signal: ac.signal, timeout: 900_000 });
+      setTimeout(() => ac.abort('SIGKILL'), 1000);
+      await expect(long).rejects.toThrow();
+      // A session's calls run in order: had the sleep survived, this one would wait behind it
+      // (and the test would time out) instead of answering.
+      const next = await call(client, 'run_command', { sandbox_id: id, command: 'echo after' });
+      expect(next.s).toMatchObject({ stdout: 'after\n', exitCode: 0 });
+      await call(client, 'close_sandbox', { sandbox_id: id });
+    } finally {
+      await client.close();
+    }
+  });
 });
 
 describe('hutch mcp on the embedded defaults (qemu)', { tags: ['vm'] }, () => {
