@@ -11,7 +11,7 @@ import type { Logger } from '../../../guest-agent/src/log.ts';
 import type { OutputSink, RunOptions, RunResult } from '../../../guest-agent/src/process/run-process.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { SpawnedRun, Spawner } from './spawner.ts';
-import type { FromHelper, HelperRunOptions, StreamName, ToHelper } from './spawn-helper-protocol.ts';
+import { CREDIT_BATCH_BYTES, type FromHelper, type HelperRunOptions, type StreamName, type ToHelper } from './spawn-helper-protocol.ts';
 
 const READY_TIMEOUT_MS = 60_000;
 
@@ -25,6 +25,8 @@ interface Pending {
    * one before: deliveries are chained, one at a time and in order, as with runProcess.
    */
   tails: Partial<Record<StreamName, Promise<void>>>;
+  /** Bytes the caller has taken and the helper has not been told of yet. */
+  taken: Record<StreamName, number>;
   onKill: (() => void) | undefined;
 }
 
@@ -94,7 +96,7 @@ export class HelperSpawner implements Spawner {
       const inc = await this.live();
       target = inc;
       return new Promise<RunResult>((resolve, reject) => {
-        inc.pending.set(id, { resolve, reject, sinks: { stdout: opts.onStdout, stderr: opts.onStderr }, tails: {}, onKill: opts.onKill });
+        inc.pending.set(id, { resolve, reject, sinks: { stdout: opts.onStdout, stderr: opts.onStderr }, tails: {}, taken: { stdout: 0, stderr: 0 }, onKill: opts.onKill });
         if (!send(inc, { t: 'run', id, opts: wire })) {
           inc.pending.delete(id);
           reject(new HutchError('internal', 'fast path spawn helper is not reachable', { pid: inc.pid }));
@@ -163,7 +165,12 @@ export class HelperSpawner implements Spawner {
         const { stream } = m;
         const sink = p.sinks[stream];
         const chunk = Buffer.from(m.chunk.buffer, m.chunk.byteOffset, m.chunk.byteLength);
-        const credit = () => void send(inc, { t: 'credit', id: m.id, stream });
+        const credit = () => {
+          p.taken[stream] += chunk.length;
+          if (p.taken[stream] < CREDIT_BATCH_BYTES) return;
+          send(inc, { t: 'credit', id: m.id, stream, bytes: p.taken[stream] });
+          p.taken[stream] = 0;
+        };
         const deliver = (): Promise<void> | undefined => {
           let done: void | Promise<void>;
           try {

@@ -6,7 +6,7 @@
 import { runProcess, type RunningProcess } from '../../../guest-agent/src/process/run-process.ts';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { forkInCgroups } from './thread-cgroup.ts';
-import type { FromHelper, StreamName, ToHelper } from './spawn-helper-protocol.ts';
+import { CREDIT_WINDOW_BYTES, type FromHelper, type StreamName, type ToHelper } from './spawn-helper-protocol.ts';
 
 interface Run {
   proc: RunningProcess;
@@ -14,23 +14,13 @@ interface Run {
   credit: Record<StreamName, Window>;
 }
 
-/**
- * A stream's chunks sent and not yet credited by the broker, oldest first. Up to
- * CREDIT_WINDOW_BYTES may be in flight before the sink makes the child wait: a command's
- * whole output usually fits, so the run ends without waiting for the broker's credits (a
- * round trip through two processes per chunk, which under CPU contention cost milliseconds),
- * while a slow consumer still holds the child back once the window is full.
- */
+/** A stream's bytes sent and not yet credited by the broker, and the sinks waiting for room. */
 interface Window {
   inFlight: number;
-  /** Bytes of each uncredited chunk; each credit settles the oldest. */
-  chunks: number[];
-  /** Sinks waiting for room. */
   waiting: Array<() => void>;
 }
 
 const runs = new Map<number, Run>();
-const CREDIT_WINDOW_BYTES = 256 * 1024;
 
 function send(m: FromHelper): void {
   if (process.connected) process.send?.(m);
@@ -41,7 +31,6 @@ function start(id: number, o: Extract<ToHelper, { t: 'run' }>['opts']): void {
   const credit: Run['credit'] = { stdout: newWindow(), stderr: newWindow() };
   const sink = (stream: StreamName) => (chunk: Buffer): void | Promise<void> => {
     const w = credit[stream];
-    w.chunks.push(chunk.length);
     w.inFlight += chunk.length;
     send({ t: 'data', id, stream, chunk });
     if (w.inFlight <= CREDIT_WINDOW_BYTES) return;
@@ -85,7 +74,7 @@ function start(id: number, o: Extract<ToHelper, { t: 'run' }>['opts']): void {
 }
 
 function newWindow(): Window {
-  return { inFlight: 0, chunks: [], waiting: [] };
+  return { inFlight: 0, waiting: [] };
 }
 
 process.on('message', (m: ToHelper) => {
@@ -102,7 +91,7 @@ process.on('message', (m: ToHelper) => {
     case 'credit': {
       const w = runs.get(m.id)?.credit[m.stream];
       if (!w) break;
-      w.inFlight -= w.chunks.shift() ?? 0;
+      w.inFlight -= m.bytes;
       if (w.inFlight <= CREDIT_WINDOW_BYTES) for (const wake of w.waiting.splice(0)) wake();
       break;
     }
