@@ -86,6 +86,20 @@ describe('never lose a call (real VMs)', { tags: ['vm'] }, () => {
     await sb.close();
   }, 600_000);
 
+  it('releasing a frozen VM finishes (it is killed instead of snapshotted) and the next call wakes a fresh one', async () => {
+    const sb = await hutch.create({ workspace: { files: { 'keep.txt': 'kept\n' } } });
+    expect((await sb.run('git config --global user.name frozen && echo ok', { route: 'vm' })).stdout).toBe('ok\n');
+    const [pid] = qemuPids(join(b.dataDir, 'vms', sb.id));
+    process.kill(pid as number, 'SIGSTOP');
+    await sb.hint('idle'); // dirty: the release would snapshot; the guest cannot answer
+    await released(sb.id);
+    expect(qemuPids(join(b.dataDir, 'vms', sb.id))).not.toContain(pid);
+    const next = await sb.run('cat keep.txt', { route: 'vm' });
+    expect(next.woke).toBe(true);
+    expect(next.stdout).toBe('kept\n');
+    await sb.close();
+  }, 600_000);
+
   it('close() finishes while a call is stuck in a frozen VM: the call fails typed, the VM is gone', async () => {
     const sb = await hutch.create({ workspace: { files: { 'x': '' } } });
     const call = sb.run('sleep 300', { route: 'vm' }).then(

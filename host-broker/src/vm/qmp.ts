@@ -8,6 +8,9 @@ import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
  * answered in order, so replies are matched FIFO; asynchronous events (MIGRATION, STOP,
  * SHUTDOWN, ...) are emitted as 'event'.
  */
+/** A QMP command's deadline: QEMU answers control commands at once unless it is stopped or wedged. */
+const QMP_COMMAND_TIMEOUT_MS = 30_000;
+
 export class QmpClient extends EventEmitter {
   private readonly queue: Array<{ cmd: string; resolve: (r: unknown) => void; reject: (e: HutchError) => void }> = [];
   private closed = false;
@@ -37,10 +40,32 @@ export class QmpClient extends EventEmitter {
     return c;
   }
 
-  execute<T = unknown>(cmd: string, args?: Record<string, unknown>): Promise<T> {
+  /**
+   * Runs a QMP command. QMP answers in order, so a command that gets no answer by its
+   * deadline (a stopped or wedged QEMU) ends the whole connection: every waiting command
+   * fails with `guest_unresponsive` and nothing later can be matched to the wrong one.
+   * The VM is then beyond control and is torn down by its owner.
+   */
+  execute<T = unknown>(cmd: string, args?: Record<string, unknown>, timeoutMs = QMP_COMMAND_TIMEOUT_MS): Promise<T> {
     if (this.closed) return Promise.reject(new HutchError('guest_crashed', `QMP is closed; cannot run ${cmd}`));
     return new Promise<T>((resolve, reject) => {
-      this.queue.push({ cmd, resolve: resolve as (r: unknown) => void, reject });
+      const t = setTimeout(() => {
+        const err = new HutchError('guest_unresponsive', `QEMU did not answer QMP ${cmd} within ${timeoutMs} ms`, { cmd, timeoutMs });
+        for (const q of this.queue.splice(0)) q.reject(err);
+        this.sock.destroy();
+      }, timeoutMs);
+      t.unref();
+      this.queue.push({
+        cmd,
+        resolve: (r) => {
+          clearTimeout(t);
+          (resolve as (r: unknown) => void)(r);
+        },
+        reject: (e) => {
+          clearTimeout(t);
+          reject(e);
+        },
+      });
       this.sock.write(JSON.stringify(args ? { execute: cmd, arguments: args } : { execute: cmd }) + '\n');
     });
   }
