@@ -22,7 +22,7 @@ const RESUME_TIMEOUT_MS = 20_000;
  * clock or the shared RNG.
  */
 export async function resumeAfterRestore(
-  p: { unixTimeMs: number; entropy: Uint8Array },
+  p: { unixTimeMs: number; entropy: Uint8Array; work?: { bytes: number; files: number } | undefined },
   ownsMachine: boolean,
   onClockPending: (done: Promise<void>) => void,
 ): Promise<ResultOf<'agent.resume'>> {
@@ -34,6 +34,8 @@ export async function resumeAfterRestore(
   if (!existsSync(RESUME_HELPER)) {
     return { clockDeltaMs: delta, clockSet: false, reseeded: false, guestNowMs: Date.now(), clockError: `${RESUME_HELPER} is missing from the guest image` };
   }
+  // Sized first (a mount(8) is quick; the helper is slow under TCG), and tenant commands wait for it too.
+  const sized = p.work ? sizeWork(p.work) : Promise.resolve(undefined);
   let out = '';
   let err = '';
   const run = runProcess({
@@ -45,7 +47,7 @@ export async function resumeAfterRestore(
     onStdout: (c) => void (out += c.toString()),
     onStderr: (c) => void (err += c.toString()),
   }).result;
-  onClockPending(run.then(() => undefined, () => undefined));
+  onClockPending(Promise.all([run, sized]).then(() => undefined, () => undefined));
   let failure: string | undefined;
   try {
     const r = await run;
@@ -59,5 +61,30 @@ export async function resumeAfterRestore(
   const reseeded = reseed === 'ok';
   const clockSet = clock === 'ok';
   const problems = [failure, reseeded || failure ? undefined : `reseed: ${reseed ?? 'no answer'}`, clockSet || failure ? undefined : `clock: ${clock ?? 'no answer'}`].filter(Boolean);
-  return { clockDeltaMs: delta, clockSet, reseeded, guestNowMs: Date.now(), ...(problems.length ? { clockError: problems.join('; ') } : {}) };
+  const workError = await sized;
+  return { clockDeltaMs: delta, clockSet, reseeded, guestNowMs: Date.now(), ...(problems.length ? { clockError: problems.join('; ') } : {}), ...(workError ? { workError } : {}) };
+}
+
+/** Inodes beyond the quota's entries: the root, and the sync's temporary files while a push replaces a file. */
+const WORK_SPARE_INODES = 16;
+
+/**
+ * Sizes the tmpfs at /work from the session's quota (the kernel command line's work_size is
+ * one size for every VM restored from the snapshot), so a tenant command there hits ENOSPC at
+ * the quota. Returns why it could not, or undefined.
+ */
+async function sizeWork(q: { bytes: number; files: number }): Promise<string | undefined> {
+  let err = '';
+  try {
+    const r = await runProcess({
+      argv: ['mount', '-o', `remount,size=${q.bytes},nr_inodes=${q.files + WORK_SPARE_INODES}`, '/work'],
+      cwd: '/',
+      env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' },
+      timeoutMs: RESUME_TIMEOUT_MS,
+      onStderr: (c) => void (err += c.toString()),
+    }).result;
+    return r.exitCode === 0 ? undefined : `remounting /work failed (${r.exitCode ?? r.signal}): ${err.trim().slice(0, 200)}`;
+  } catch (e) {
+    return `remounting /work could not run: ${(e as Error).message}`;
+  }
 }

@@ -39,6 +39,8 @@ export interface BrokerOptions {
   log: Logger;
   /** Largest file the file tools read or write (default 64 MiB). */
   maxFileBytes?: number;
+  /** Workspace quota per session (default 2 GiB and 200,000 entries); a create may ask less. */
+  quota?: { bytes: number; files: number };
   /** Release a session's VM after this long without a VM call (default 5 s); overrides policy.idleMs. */
   idleMs?: number;
   /** Routing, wake and release policy (default: level 4 with the cost model). */
@@ -142,6 +144,7 @@ export class Broker {
         log: opts.log,
         policy: this.policy,
         ...(opts.maxFileBytes ? { maxFileBytes: opts.maxFileBytes } : {}),
+        ...(opts.quota ? { quota: opts.quota } : {}),
       },
       opts.log,
       { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}) },

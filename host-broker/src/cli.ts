@@ -17,6 +17,7 @@ import { QemuBackend } from './backends/qemu-backend.ts';
 import { createFastPath } from './tools/fastpath-factory.ts';
 import { LEVEL_NAMES, policyForLevel, type SandboxPolicy } from './policy/sandbox-policy.ts';
 import { MCP_HELP, mcpMain } from './mcp/stdio.ts';
+import { DEFAULT_QUOTA } from './sessions/workspace-quota.ts';
 
 const HELP = `hutch: sandboxes for AI agents, packed densely on one host
 
@@ -41,6 +42,8 @@ serve options:
   --max-frame-mib N largest WebSocket message (default 64)
   --max-connections N
                     open WebSockets per principal (default 32)
+  --quota-bytes N   workspace quota per session in allocated bytes (default 2 GiB); a create may ask less
+  --quota-files N   workspace quota per session in files and directories (default 200000)
   --data-dir D      sessions and their workspaces (default: env HUTCH_DATA, else ~/.local/state/hutch)
   --backend B       where VM-routed calls run: ${BACKEND_NAMES.join(' | ')} (default: qemu; without QEMU
                     the broker refuses to start rather than pick a weaker backend)
@@ -79,6 +82,8 @@ export interface ServeOptions {
   log: Logger;
   /** Use the cached guest image only (fail with `unavailable` when it is missing). */
   noBuild?: boolean;
+  /** Workspace quota per session (default 2 GiB and 200,000 entries). */
+  quota?: { bytes: number; files: number };
 }
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
@@ -109,6 +114,7 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     fastPath,
     log: o.log,
     ...(o.policy ? { policy: o.policy } : {}),
+    ...(o.quota ? { quota: o.quota } : {}),
   });
   await broker.start();
   return broker;
@@ -173,6 +179,8 @@ async function main(): Promise<void> {
       'metrics-host': { type: 'string', default: '127.0.0.1' },
       'max-frame-mib': { type: 'string' },
       'max-connections': { type: 'string' },
+      'quota-bytes': { type: 'string' },
+      'quota-files': { type: 'string' },
       'data-dir': { type: 'string' },
       backend: { type: 'string' },
       'i-know-unsafe-local': { type: 'boolean' },
@@ -215,6 +223,10 @@ async function main(): Promise<void> {
     policyLevel: values.level ?? '4',
     ...(values['no-build'] ? { noBuild: true } : {}),
     policy: policyFromFlags(values.level, values['idle-ms'], values['idle-policy']),
+    quota: {
+      bytes: values['quota-bytes'] !== undefined ? positiveInt('--quota-bytes', values['quota-bytes']) : DEFAULT_QUOTA.bytes,
+      files: values['quota-files'] !== undefined ? positiveInt('--quota-files', values['quota-files']) : DEFAULT_QUOTA.files,
+    },
     log,
   });
   // A file's principals are never printed; a generated token must be, or nobody could connect.

@@ -15,6 +15,7 @@ export const ERROR_CODES = [
   'outside_workspace', // a path (or a symlink on it) resolves outside the workspace root
   'permission_denied',
   'no_space', // ENOSPC / EDQUOT: the disk filled; nothing was half-written
+  'quota_exceeded', // the session's workspace quota (bytes or files) is used up; context.limit names which
   'binary_file', // a text tool was asked to read a binary file
   'no_match', // edit: oldString occurs 0 times
   'multiple_matches', // edit: oldString occurs N > 1 times without replaceAll

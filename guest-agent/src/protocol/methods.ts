@@ -234,6 +234,8 @@ export const ExecSignalResultSchema = z.object({ delivered: z.boolean() });
 export const ResumeParamsSchema = z.object({
   unixTimeMs: z.number().positive(),
   entropy: z.custom<Uint8Array>((v) => v instanceof Uint8Array && v.length >= 32 && v.length <= 4096, '32..4096 bytes of entropy'),
+  /** The session's workspace quota: /work is remounted with size= and nr_inodes= from it. */
+  work: z.object({ bytes: z.number().int().positive(), files: z.number().int().positive() }).optional(),
 });
 export const ResumeResultSchema = z.object({
   /** The broker's time minus the guest's when the call arrived. */
@@ -246,6 +248,8 @@ export const ResumeResultSchema = z.object({
   /** Why the clock could not be set. */
   clockError: z.string().optional(),
   clockNote: z.string().optional(),
+  /** Why /work could not be sized from the quota (absent when it was, or none was asked). */
+  workError: z.string().optional(),
 });
 /** What the tenant changed outside the workspace, and what still runs: the broker's release decision. */
 export const StateParamsSchema = z.object({ maxPaths: z.number().int().positive().max(10_000).optional() });

@@ -40,6 +40,18 @@ export interface FileToolsOptions {
   durable?: boolean;
   /** Time one grep, glob or list may take (ms), after which it fails with `timeout` (work-budget.ts). */
   searchTimeoutMs?: number;
+  /**
+   * Called with what a write, edit or mkdir is about to add, before anything is written;
+   * throwing refuses the call (the broker's workspace quota, sessions/workspace-quota.ts).
+   */
+  beforeGrow?: (g: PlannedGrowth) => void;
+}
+
+/** What one call will add: `dirs` new directories and maybe a file (`replaces`: the file it overwrites). */
+export interface PlannedGrowth {
+  path: string;
+  dirs: number;
+  file?: { bytes: number; replaces: Stats | undefined };
 }
 
 type In<S extends z.ZodType> = z.output<S>;
@@ -110,6 +122,7 @@ export class FileTools {
     return this.at(p.path, { missing: 'parents' }, async (r) => {
       if (r.isRoot || r.stat?.isDirectory()) throw new HutchError('is_a_directory', `${p.path} is a directory`, { path: p.path });
       if (r.stat && !r.stat.isFile()) throw new HutchError('bad_request', `${p.path} is not a regular file`, { path: p.path });
+      this.opts.beforeGrow?.({ path: p.path, dirs: r.stat ? 0 : Math.max(0, r.missingDepth - 1), file: { bytes: data.length, replaces: r.stat } });
       r.makeParents(DEFAULT_DIR_MODE, this.opts.owner);
       await writeFileAtomic({ dirFd: r.dirFd, name: r.name }, data, {
         mode: p.mode ?? (r.stat ? r.stat.mode : DEFAULT_FILE_MODE),
@@ -147,6 +160,7 @@ export class FileTools {
       const next = p.replaceAll ? text.split(p.oldString).join(p.newString) : text.replace(p.oldString, () => p.newString);
       const data = Buffer.from(next, 'utf8');
       this.checkSize(data.length, p.path);
+      this.opts.beforeGrow?.({ path: p.path, dirs: 0, file: { bytes: data.length, replaces: st } });
       await writeFileAtomic({ dirFd: r.dirFd, name: r.name }, data, { mode: st.mode, owner: { uid: st.uid, gid: st.gid }, durable: this.opts.durable ?? false });
       return { path: this.ws.display(r.rel), replacements: replaced, bytes: data.length };
     });
@@ -241,6 +255,7 @@ export class FileTools {
         if (r.stat.isDirectory() && p.parents) return { path: this.ws.display(r.rel), created: false };
         throw new HutchError('already_exists', `${p.path} already exists`, { path: p.path });
       }
+      this.opts.beforeGrow?.({ path: p.path, dirs: r.missingDepth });
       r.makeParents(DEFAULT_DIR_MODE, this.opts.owner, true);
       return { path: this.ws.display(r.rel), created: true };
     });

@@ -49,6 +49,8 @@ export const CreateParams = z.object({
   workspace: WorkspaceSourceSchema.optional(),
   /** A stable id chosen by the harness; generated when absent. */
   id: sessionId.optional(),
+  /** Workspace quota (allocated bytes, entries); each at most the broker's (--quota-bytes, --quota-files). */
+  quota: z.object({ bytes: z.number().int().positive().optional(), files: z.number().int().positive().optional() }).optional(),
 });
 export const AttachParams = z.object({ session: sessionId });
 export const CloseParams = z.object({ session: sessionId, keepWorkspace: z.boolean().optional() });

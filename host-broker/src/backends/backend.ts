@@ -16,6 +16,8 @@ export interface SandboxSpec {
   stateDir: string;
   cpus: number;
   memoryMiB: number;
+  /** The session's workspace quota: sizes the guest's /work (tmpfs size= and nr_inodes=). */
+  quota?: { bytes: number; files: number };
 }
 
 export interface WakeInfo {

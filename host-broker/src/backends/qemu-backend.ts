@@ -121,7 +121,8 @@ export class QemuBackend implements VmBackend {
       });
       phase('channel');
       // Entropy and the clock go first; the push runs while the guest sets its clock.
-      const resumed = opts.coldBoot ? undefined : resumeGuest(agent).finally(() => phase('resume'));
+      // ...and /work is sized from the session's quota before the push fills it.
+      const resumed = opts.coldBoot ? undefined : resumeGuest(agent, spec.quota).finally(() => phase('resume'));
       resumed?.catch(() => undefined);
       const hostWs = new Workspace(spec.workspaceDir);
       const mirror = new WorkspaceMirror(hostWs, new WorkspaceSync(hostWs));
@@ -129,7 +130,9 @@ export class QemuBackend implements VmBackend {
       if (from) mirror.guestView = manifestFromJson(readFileSync(from.manifest, 'utf8'));
       const pushed = await mirror.push(agent);
       phase('push');
-      const clock = resumed ? await settleClock(agent, await resumed, spec.session, this.opts.log) : undefined;
+      const first = resumed ? await resumed : undefined;
+      if (first?.workError) this.opts.log.error('vm.work_size_failed', { session: spec.session, error: first.workError });
+      const clock = first ? await settleClock(agent, first, spec.session, this.opts.log) : undefined;
       const mark = await agent.call('sync.mark', {});
       phase('mark');
       agent.workspaceEntries = mark.entries;

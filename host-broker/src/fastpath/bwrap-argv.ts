@@ -76,6 +76,8 @@ export interface BwrapSpec {
   command: string;
   /** A host directory bound writable at SANDBOX_HOME (unsafe-local's home that outlives a call). */
   home?: string | undefined;
+  /** RLIMIT_FSIZE of the command (the session's remaining workspace quota, capped at the file limit). */
+  fileSizeLimitBytes?: number | undefined;
 }
 
 export function bwrapArgv(s: BwrapSpec): string[] {
@@ -114,6 +116,11 @@ export function bwrapArgv(s: BwrapSpec): string[] {
   a.push('--remount-ro', '/dev', '--remount-ro', '/');
 
   a.push('--seccomp', String(SECCOMP_FD));
-  a.push('--', '/bin/bash', '-c', s.command);
+  // RLIMIT_FSIZE by bash's own ulimit (no extra exec; prlimit would cost ~3 ms a call): without
+  // -S/-H it sets soft and hard, and raising a hard limit needs CAP_SYS_RESOURCE, which the
+  // sandbox lacks. Same line, so the tenant's line numbers hold. (BASH_ENV would run first;
+  // the router sends such env to the VM, and the broker's usage watch still bounds it.)
+  const limit = s.fileSizeLimitBytes === undefined ? '' : `ulimit -f ${Math.floor(s.fileSizeLimitBytes / 1024)}; `;
+  a.push('--', '/bin/bash', '-c', limit + s.command);
   return a;
 }

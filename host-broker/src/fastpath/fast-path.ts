@@ -37,6 +37,8 @@ export interface FastPathRequest {
   timeoutMs?: number | undefined;
   /** Per stream; the rest is counted and dropped. */
   maxOutputBytes?: number | undefined;
+  /** Largest file the command may write (RLIMIT_FSIZE, hard): the session's remaining quota. */
+  fileSizeLimitBytes?: number | undefined;
   onStdout?(chunk: Buffer): void | Promise<void>;
   onStderr?(chunk: Buffer): void | Promise<void>;
   signal?: AbortSignal | undefined;
@@ -204,6 +206,7 @@ export class FastPath {
         tmpBytes: this.opts.tmpBytes,
         command: req.command,
         home: req.home,
+        fileSizeLimitBytes: req.fileSizeLimitBytes,
       });
       const running = this.spawner.run(
         {

@@ -8,6 +8,7 @@ import type { CloseResult, CreateParams, SessionInfo } from '../api/harness-prot
 import { DEFAULT_PRINCIPAL } from '../api/principals.ts';
 import { Session, type SessionDeps, type SessionMeta } from './session.ts';
 import { populateWorkspace } from './workspace-source.ts';
+import { DEFAULT_QUOTA } from './workspace-quota.ts';
 
 export const DEFAULT_CPUS = 1;
 export const DEFAULT_MEMORY_MIB = 512;
@@ -77,14 +78,23 @@ export class SessionManager {
     const id = p.id ?? `s-${randomBytes(6).toString('hex')}`;
     // The same answer whoever owns an existing id: which ids others use is not told.
     if (this.sessions.has(id) || existsSync(join(this.root, id))) throw new HutchError('already_exists', `session ${id} already exists`, { session: id });
-    const meta: SessionMeta = { id, cpus: p.cpus ?? DEFAULT_CPUS, memoryMiB: p.memoryMiB ?? DEFAULT_MEMORY_MIB, createdAt: new Date().toISOString() };
+    const broker = this.deps.quota ?? DEFAULT_QUOTA;
+    for (const k of ['bytes', 'files'] as const) {
+      const asked = p.quota?.[k];
+      if (asked !== undefined && asked > broker[k]) throw new HutchError('bad_request', `quota.${k} may be at most the broker's ${broker[k]} (asked ${asked})`, { limit: k, asked, quota: broker[k] });
+    }
+    const quota = { bytes: p.quota?.bytes ?? broker.bytes, files: p.quota?.files ?? broker.files };
+    const meta: SessionMeta = { id, cpus: p.cpus ?? DEFAULT_CPUS, memoryMiB: p.memoryMiB ?? DEFAULT_MEMORY_MIB, createdAt: new Date().toISOString(), quota };
     const dir = join(this.root, id);
     privateDir(dir);
     mkdirSync(join(dir, 'workspace'), { recursive: true });
     mkdirSync(join(dir, 'state'), { recursive: true });
     const session = this.make(meta);
     try {
+      await session.quota.measure(); // empty: inline files are planned against it as they are written
       if (p.workspace) await populateWorkspace(session.workspaceDir, p.workspace, { files: session.files, fastPath: this.deps.fastPath, roots: this.opts.workspaceRoots ?? [] });
+      // Measured once here (then kept current call by call): a source above the quota is refused.
+      session.quota.check(await session.quota.measure(), 'the workspace source');
       const stored: StoredMeta = { ...meta, owner };
       writeFileSync(join(dir, 'session.json'), JSON.stringify(stored, null, 2), { mode: 0o600 });
     } catch (err) {

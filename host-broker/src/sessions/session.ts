@@ -18,12 +18,15 @@ import type { FastPathRunner } from '../tools/fastpath-runner.ts';
 import { parseToolArgs, runFileTool } from '../tools/file-calls.ts';
 import { agentFileTools } from '../tools/agent-file-tools.ts';
 import type { SandboxPolicy } from '../policy/sandbox-policy.ts';
+import { DEFAULT_QUOTA, WorkspaceQuota, type QuotaLimits } from './workspace-quota.ts';
 
 export interface SessionMeta {
   id: string;
   cpus: number;
   memoryMiB: number;
   createdAt: string;
+  /** The workspace quota asked at create (never above the broker's). */
+  quota?: QuotaLimits;
 }
 
 export interface CallSinks {
@@ -47,6 +50,8 @@ export interface SessionDeps {
   maxCallTimeoutMs?: number;
   /** Routing, wake and release policy (levels). */
   policy: SandboxPolicy;
+  /** The broker's workspace quota per session (default DEFAULT_QUOTA); a create may ask less. */
+  quota?: QuotaLimits;
 }
 
 /** Default per-stream output kept in a bash result; everything is still streamed. */
@@ -55,6 +60,8 @@ export const DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024;
 export const DEFAULT_BASH_TIMEOUT_MS = 600_000;
 /** The longest timeout a call may ask for (a call holds its session's queue and a VM slot meanwhile). */
 export const MAX_CALL_TIMEOUT_MS = 3_600_000;
+/** FileTools' default file limit, also the fast path's RLIMIT_FSIZE ceiling. */
+const DEFAULT_MAX_FILE_BYTES = 64 * 1024 * 1024;
 
 /**
  * One sandbox as the harness sees it: a host-owned workspace, calls executed in order,
@@ -63,6 +70,7 @@ export const MAX_CALL_TIMEOUT_MS = 3_600_000;
  */
 export class Session {
   readonly files: FileTools;
+  readonly quota: WorkspaceQuota;
   private readonly queue = new SerialQueue();
   readonly vm: SandboxLifecycle;
   private calls = 0;
@@ -76,7 +84,9 @@ export class Session {
     readonly stateDir: string,
     private readonly deps: SessionDeps,
   ) {
-    this.files = new FileTools(new Workspace(workspaceDir), deps.maxFileBytes ? { maxFileBytes: deps.maxFileBytes } : {});
+    const broker = deps.quota ?? DEFAULT_QUOTA;
+    this.quota = new WorkspaceQuota(workspaceDir, { bytes: Math.min(broker.bytes, meta.quota?.bytes ?? Infinity), files: Math.min(broker.files, meta.quota?.files ?? Infinity) });
+    this.files = new FileTools(new Workspace(workspaceDir), { ...(deps.maxFileBytes ? { maxFileBytes: deps.maxFileBytes } : {}), beforeGrow: (g) => this.quota.plan(g) });
     this.log = deps.log.child({ session: meta.id });
     // A pull the broker was killed in the middle of is finished (committed) or dropped (not) before anything reads the workspace.
     const recovered = recoverPullJournal(workspaceDir, stateDir);
@@ -193,7 +203,10 @@ export class Session {
     if (!this.deps.policy.routing) {
       // No routing (published levels 1-3): the file tool runs in the VM, its writes pulled back.
       const t0 = performance.now();
+      await this.quota.beforeVm();
+      const before = await this.quota.current();
       const out = await this.vm.vmCall((sb, changes) => sb.synced((agent) => runFileTool(agentFileTools(agent), tool, rawArgs), changes));
+      await this.quota.afterRun(before, 'vm', true);
       return {
         route: 'vm',
         reason: 'routing off: every call runs in the VM',
@@ -206,7 +219,12 @@ export class Session {
         result: out.value.value.result,
       };
     }
-    const r = await runFileTool(this.files, tool, rawArgs);
+    // Writes are planned against the quota (FileTools beforeGrow), which needs the usage now.
+    if (tool === 'write' || tool === 'edit') await this.quota.current();
+    const r = await runFileTool(this.files, tool, rawArgs).catch((err: unknown) => {
+      if (!(err instanceof HutchError && err.code === 'quota_exceeded')) this.quota.stale(); // a planned write may not have landed
+      throw err;
+    });
     if (r.wrote !== undefined) this.vm.hostChanges.mark(r.wrote);
     return { route: 'inprocess', reason: 'file tools run in the broker on the host workspace', runMs: 0, result: r.result };
   }
@@ -243,14 +261,29 @@ export class Session {
     let pulledBytes = 0;
     let syncErrors: SyncError[] | undefined;
     if (decision.route === 'fastpath') {
+      // Bounded while it writes: no file past the quota's remaining bytes (RLIMIT_FSIZE), the
+      // usage watched during a long run (many files), measured after.
+      const before = await this.quota.current();
+      const fileSizeLimitBytes = this.quota.fileSizeLimit(this.deps.maxFileBytes ?? DEFAULT_MAX_FILE_BYTES);
+      const over = new AbortController();
+      const unwatch = this.quota.watch((e) => over.abort(e));
       try {
-        r = await this.deps.fastPath.run({ ...common, workspace: this.workspaceDir });
+        r = await this.deps.fastPath.run({ ...common, signal: AbortSignal.any([over.signal, ...(common.signal ? [common.signal] : [])]), workspace: this.workspaceDir, fileSizeLimitBytes });
+      } catch (e) {
+        throw over.signal.aborted ? over.signal.reason : e;
       } finally {
+        unwatch();
         // The sandbox may have written anywhere in the workspace; the next VM call re-checks it.
         this.vm.hostChanges.markAll();
+        this.quota.stale();
       }
+      if (over.signal.aborted) throw over.signal.reason;
+      await this.quota.afterRun(before, 'fastpath');
     } else {
+      await this.quota.beforeVm();
+      const before = await this.quota.current();
       const out = await this.vm.vmCall((sb, changes) => sb.exec(common, changes));
+      await this.quota.afterRun(before, 'vm', true);
       r = out.value;
       wake = out.wake;
       queuedMs = out.queuedMs;
@@ -282,7 +315,7 @@ export class Session {
   }
 
   private spec(): SandboxSpec {
-    return { session: this.id, workspaceDir: this.workspaceDir, stateDir: this.stateDir, cpus: this.meta.cpus, memoryMiB: this.meta.memoryMiB };
+    return { session: this.id, workspaceDir: this.workspaceDir, stateDir: this.stateDir, cpus: this.meta.cpus, memoryMiB: this.meta.memoryMiB, quota: this.quota.limits };
   }
 }
 

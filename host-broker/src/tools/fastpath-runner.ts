@@ -9,6 +9,8 @@ export interface FastPathRunRequest {
   stdin?: Uint8Array;
   timeoutMs?: number;
   maxOutputBytes?: number;
+  /** Largest file the command may write (RLIMIT_FSIZE): the session's remaining workspace quota. */
+  fileSizeLimitBytes?: number;
   onStdout?: (c: Uint8Array) => void | Promise<void>;
   onStderr?: (c: Uint8Array) => void | Promise<void>;
   signal?: AbortSignal;

@@ -66,8 +66,8 @@ export async function connectAgent(vm: Vm, opts: ConnectAgentOptions): Promise<A
 }
 
 /** After a restore: fresh entropy (clones share RNG state) and the host's clock. */
-export function resumeGuest(client: AgentClient): Promise<ResultOf<'agent.resume'>> {
-  return client.call('agent.resume', { unixTimeMs: Date.now(), entropy: randomBytes(64) });
+export function resumeGuest(client: AgentClient, work?: { bytes: number; files: number }): Promise<ResultOf<'agent.resume'>> {
+  return client.call('agent.resume', { unixTimeMs: Date.now(), entropy: randomBytes(64), ...(work ? { work } : {}) });
 }
 
 /** Ends the agent's session before a snapshot; a guest that cannot answer is snapshotted as it is. */
