@@ -12,6 +12,8 @@
  *   tcg_tb_mib               says how it is found): tcg_tb_mib is its resident size, and
  *   private_mib_excl_tcg     private_mib_excl_tcg what the VM costs without it (as on KVM)
  *   tcg_tb_size_mib          the buffer size QEMU ran with (its command line)
+ *   guest_ram_private_mib    of private_mib_excl_tcg: guest RAM copied on write since the restore,
+ *   qemu_own_private_mib_excl_tcg   and the rest (QEMU's heap, TCG block metadata, stacks)
  *   tb_<N>_run_ms            at tb-size N MiB (64, 32, 16; same run): wall time of the first
  *                            `python3 -m unittest` on datespan in a restored VM, median of rounds,
  *                            with tb_<N>_resident_mib the buffer resident after it and
@@ -101,7 +103,7 @@ for (const x of idle) {
   if (r.exitCode !== 0) throw new Error(`idle VM call exited ${r.exitCode}: ${r.stderrText}`);
 }
 await new Promise((r) => setTimeout(r, 5000));
-const afterCall: QemuMemory[] = await Promise.all(idle.map((x) => qemuMemory(x.vm.pid)));
+const afterCall: QemuMemory[] = await Promise.all(idle.map((x) => qemuMemory(x.vm.pid, pristine.memory)));
 const tbSizeMiB = Number(/tb-size=(\d+)/.exec(readFileSync(`/proc/${idle[0]?.vm.pid}/cmdline`, 'utf8'))?.[1] ?? NaN);
 for (const x of idle) {
   x.agent.close();
@@ -116,6 +118,10 @@ const after = {
   pss_mib_after_call: mib((m) => m.total.pssKiB),
   tcg_tb_mib: mib((m) => m.tcg.rssKiB),
   anon_mib_excl_tcg: mib((m) => m.excludingTcg.anonKiB),
+  // Of the private memory beside the buffer: the guest's writes since the restore (its RAM
+  // copied on write), and QEMU's own (heap, TCG's block metadata, thread stacks, relocations).
+  guest_ram_private_mib: mib((m) => m.guestRam.privateKiB),
+  qemu_own_private_mib_excl_tcg: mib((m) => m.excludingTcg.privateKiB - m.guestRam.privateKiB),
   private_mib_excl_tcg: mib((m) => m.excludingTcg.privateKiB),
   pss_mib_excl_tcg: mib((m) => m.excludingTcg.pssKiB),
   swap_mib_after_call: mib((m) => m.total.swapKiB),

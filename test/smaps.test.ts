@@ -36,6 +36,15 @@ describe('smaps', () => {
       'Private_Dirty:      5140 kB',
       'Anonymous:          5140 kB',
       'Swap:                  0 kB',
+      // Guest RAM: the snapshot's memory file mapped copy-on-write.
+      '7fabb7fff000-7fabd7fff000 rw-p 00000000 fe:00 16417280                   /root/.cache/hutch/snapshots/k/memory.img',
+      'Size:             524288 kB',
+      'Rss:               69524 kB',
+      'Pss:               41884 kB',
+      'Private_Clean:        88 kB',
+      'Private_Dirty:     14156 kB',
+      'Anonymous:         14156 kB',
+      'Swap:                  0 kB',
       // The buffer (tb-size=64: one page short for the guard page after it).
       '7fabd8000000-7fabdbfff000 rwxp 00000000 00:00 0 ',
       'Size:              65532 kB',
@@ -50,11 +59,13 @@ describe('smaps', () => {
       'Rss:                   0 kB',
       '',
     ].join('\n');
-    const m = splitTcg(text);
+    const m = splitTcg(text, '/root/.cache/hutch/snapshots/k/memory.img');
     expect(m.tcg).toEqual({ sizeKiB: 65532, rssKiB: 36864, pssKiB: 36864, privateKiB: 36864, swapKiB: 0, anonKiB: 36864 });
-    expect(m.total.rssKiB).toBe(5480 + 5140 + 36864);
-    expect(m.excludingTcg.privateKiB).toBe(20 + 5140);
-    expect(m.excludingTcg.anonKiB).toBe(5140);
+    expect(m.total.rssKiB).toBe(5480 + 5140 + 69524 + 36864);
+    expect(m.excludingTcg.privateKiB).toBe(20 + 5140 + 88 + 14156);
+    expect(m.excludingTcg.anonKiB).toBe(5140 + 14156);
+    expect(m.guestRam.privateKiB).toBe(88 + 14156);
+    expect(splitTcg(text).guestRam.rssKiB).toBe(0);
   });
 
   it('finds no buffer where there is none', () => {

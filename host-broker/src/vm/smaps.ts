@@ -45,22 +45,29 @@ export interface QemuMemory {
   tcg: MappingMemory;
   /** total minus tcg. */
   excludingTcg: MappingMemory;
+  /**
+   * The mapping of `guestRamFile` (a restored VM's snapshot RAM, mapped copy-on-write): its
+   * private pages are the guest's writes since the restore. Zero when not asked for.
+   */
+  guestRam: MappingMemory;
 }
 
-export async function qemuMemory(pid: number): Promise<QemuMemory> {
-  return splitTcg(await readFile(`/proc/${pid}/smaps`, 'utf8'));
+export async function qemuMemory(pid: number, guestRamFile?: string): Promise<QemuMemory> {
+  return splitTcg(await readFile(`/proc/${pid}/smaps`, 'utf8'), guestRamFile);
 }
 
 const HEADER = /^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ (\d+)(?:\s+(.*))?$/;
 const FIELD = /^(\w+):\s+(\d+) kB$/;
 
 /** Parses smaps text (exported for tests of the parsing). */
-export function splitTcg(smaps: string): QemuMemory {
+export function splitTcg(smaps: string, guestRamFile?: string): QemuMemory {
   const zero = (): MappingMemory => ({ sizeKiB: 0, rssKiB: 0, pssKiB: 0, privateKiB: 0, swapKiB: 0, anonKiB: 0 });
   const total = zero();
   const tcg = zero();
+  const guestRam = zero();
   let current: MappingMemory | undefined;
   let isTcg = false;
+  let isRam = false;
   const add = (into: MappingMemory, from: MappingMemory) => {
     for (const k of Object.keys(into) as Array<keyof MappingMemory>) into[k] += from[k];
   };
@@ -68,6 +75,7 @@ export function splitTcg(smaps: string): QemuMemory {
     if (!current) return;
     add(total, current);
     if (isTcg) add(tcg, current);
+    if (isRam) add(guestRam, current);
   };
   for (const line of smaps.split('\n')) {
     const h = HEADER.exec(line);
@@ -76,6 +84,7 @@ export function splitTcg(smaps: string): QemuMemory {
       current = zero();
       // Anonymous: no path and inode 0 ([heap], [stack] and the like have a name, and are not rwx).
       isTcg = h[3] === 'rwxp' && h[4] === '0' && (h[5] ?? '').trim() === '';
+      isRam = guestRamFile !== undefined && (h[5] ?? '').trim() === guestRamFile;
       continue;
     }
     const f = FIELD.exec(line);
@@ -106,5 +115,5 @@ export function splitTcg(smaps: string): QemuMemory {
   flush();
   const excludingTcg = zero();
   for (const k of Object.keys(excludingTcg) as Array<keyof MappingMemory>) excludingTcg[k] = total[k] - tcg[k];
-  return { total, tcg, excludingTcg };
+  return { total, tcg, excludingTcg, guestRam };
 }
