@@ -9,6 +9,7 @@ import { HARNESS_API_VERSION, OPS, type OpName, type SessionTelemetry, type Tele
 import { Principals } from './api/principals.ts';
 import { WsServer, bearer, type OpContext, type WsLimits } from './api/ws-server.ts';
 import { loopbackUrl, McpHttpEndpoint } from './mcp/http.ts';
+import { E2bEndpoint } from './e2b/endpoint.ts';
 import type { VmBackend } from './backends/backend.ts';
 import { initRouter } from './router/index.ts';
 import { privateDir, SessionManager } from './sessions/session-manager.ts';
@@ -123,6 +124,8 @@ export class Broker {
   /** MCP over Streamable HTTP at /mcp: the same tokens, reaching the WebSocket API through the SDK. */
   private readonly mcp: McpHttpEndpoint;
   private readonly principals: Principals;
+  /** The E2B-compatible API (/e2b/api) and envd (/e2b/envd): the same tokens as X-API-KEY. */
+  private readonly e2b: E2bEndpoint;
   /** The last guest sample per session, from subscriptions: what /metrics reports without asking any guest. */
   private readonly lastSamples = new Map<string, SessionTelemetry>();
   port = 0;
@@ -149,6 +152,7 @@ export class Broker {
       opts.log,
       { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}) },
     );
+    this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log });
   }
 
   async start(): Promise<number> {
@@ -170,13 +174,14 @@ export class Broker {
         versions: { api: HARNESS_API_VERSION, broker: BROKER_VERSION, node: process.versions.node },
       },
       handle: (op, p, ctx) => this.handle(op, p, ctx),
-      http: (req, res, principal) => {
+      http: (req, res, principal, authenticated) => {
         if (req.url === '/healthz') {
           // Liveness only: how many sessions exist is not for anonymous callers.
           res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: true }));
           return true;
         }
         if (McpHttpEndpoint.matches(req.url)) return this.mcp.handle(req, res, principal, bearer(req)).then(() => true);
+        if (E2bEndpoint.matches(req.url)) return this.e2b.handle(req, res, authenticated).then(() => true);
         if (req.url === '/metrics' || req.url?.startsWith('/metrics?')) {
           if (principal === undefined) {
             res.writeHead(401, { 'content-type': 'text/plain', 'www-authenticate': 'Bearer' }).end('unauthorized: /metrics needs a bearer token (or --metrics-port)\n');
@@ -229,6 +234,7 @@ export class Broker {
   async stop(): Promise<void> {
     await new Promise<void>((r) => (this.metricsServer ? this.metricsServer.close(() => r()) : r()));
     await this.mcp.close();
+    this.e2b.close();
     await this.server?.close();
     await this.sessions.shutdown();
     await this.opts.backend.shutdown();

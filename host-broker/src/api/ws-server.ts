@@ -62,7 +62,7 @@ export interface WsServerOptions {
   /** Sent in every hello frame, beside the API version and the connection's principal. */
   hello: { backend: string; accel?: string; [k: string]: unknown };
   /** Plain-HTTP routes served beside the WebSocket (e.g. /metrics, /healthz); `principal` when the request carried a valid token. */
-  http?: (req: IncomingMessage, res: ServerResponse, principal: string | undefined) => boolean | Promise<boolean>;
+  http?: (req: IncomingMessage, res: ServerResponse, principal: string | undefined, authenticated?: () => void) => boolean | Promise<boolean>;
   limits?: Partial<WsLimits>;
   /**
    * Host directories whose paths must not reach clients (the data dir, the cache): in error
@@ -207,7 +207,8 @@ export class WsServer {
       // An authenticated request (e.g. a long /mcp call or its event stream) is no longer a
       // stray unauthenticated socket: the handshake deadline does not cut it off.
       if (principal !== undefined) this.forget(req.socket);
-      if (this.opts.http && (await this.opts.http(req, res, principal))) return;
+      // `authenticated`: a route with its own credentials (the E2B API key) lifts the handshake deadline the same way.
+      if (this.opts.http && (await this.opts.http(req, res, principal, () => this.forget(req.socket)))) return;
       res.writeHead(404, { 'content-type': 'text/plain' }).end('not found: connect a WebSocket to this address\n');
     } catch (err) {
       res.writeHead(500, { 'content-type': 'text/plain' }).end(`internal error: ${(err as Error).message}\n`);
