@@ -114,6 +114,13 @@ describe('workspace sync: names as bytes, typed errors, scale (real agent proces
     const next = await agent.client.call('sync.mark', {});
     const again = await host.mirror.pull(agent.client, next.marker, 1 << 20);
     expect(again.stats.files).toBe(0);
+    // The host's watcher reports every file the pull landed; the next push must see that
+    // nothing differs (and in one scan: checking 100,000 paths one by one against a
+    // 100,000-entry view would be quadratic).
+    const landed = [...(host.mirror.guestView?.keys() ?? [])].filter((k) => k.startsWith('node_modules/'));
+    expect(landed.length).toBe(N + 100);
+    const echo = await host.mirror.push(agent.client, landed);
+    expect({ files: echo.files, removed: echo.removed }).toEqual({ files: 0, removed: 0 });
 
     // And the other way: 100,000 files pushed into a fresh guest, in bounded batches.
     const fresh = await startAgent();

@@ -103,6 +103,8 @@ describe('setuid through the pull-back, in a real VM', { tags: ['vm'] }, () => {
     expect(st.mode & 0o777).toBe(0o755);
     expect(lstatSync(join(ws, 'sg')).mode & SPECIAL_BITS).toBe(0);
     expect(existsSync(join(ws, 'pipe'))).toBe(false);
+    // What was not carried is on the call's result, typed.
+    expect(r.syncErrors?.map((e) => [e.path, e.code])).toEqual([['pipe', 'unsupported_file_type']]);
     await sb.close();
   }, 900_000);
 });

@@ -21,6 +21,8 @@ const BATCH_BYTES = 512 * 1024;
 const BATCH_STREAMS = 8;
 /** Estimated msgpack overhead of one change besides its path, target and data. */
 const CHANGE_OVERHEAD_BYTES = 96;
+/** Host paths a push checks one by one; more and it scans the whole tree once. */
+const PARTIAL_PUSH_MAX = 1024;
 /** Inline files of a change-set batch staged at once. */
 const STAGE_CONCURRENCY = 16;
 
@@ -101,7 +103,9 @@ export class WorkspaceMirror {
     let guestSubset: Manifest = before;
     // A watcher's path with U+FFFD lost the name's real bytes, and a name that is not UTF-8
     // cannot be a string path for walk(): for those only a full scan finds the entry.
-    if (onlyList && this.guestView && !onlyList.some((p) => p.includes('\ufffd') || hasEscapedBytes(p))) {
+    // And past PARTIAL_PUSH_MAX paths (a watcher that saw a pull land 100,000 files) one
+    // scan of the tree costs less than that many partial ones.
+    if (onlyList && this.guestView && onlyList.length <= PARTIAL_PUSH_MAX && !onlyList.some((p) => p.includes('\ufffd') || hasEscapedBytes(p))) {
       // Only these paths (and what is under them) may have changed on the host.
       host = new Map();
       guestSubset = new Map();
@@ -248,7 +252,8 @@ export class WorkspaceMirror {
     }
     const top = host.get(p);
     if (top?.kind === 'dir') for (const [k, v] of await scanTree(this.hostWs.hostPath(p))) host.set(`${p}/${k}`, v);
-    for (const [k, v] of before) if (k.startsWith(`${p}/`)) guestSubset.set(k, v);
+    // Only a directory has a subtree the guest may hold (this walks the whole view: keep it to directories).
+    if (top?.kind === 'dir' || before.get(p)?.kind === 'dir') for (const [k, v] of before) if (k.startsWith(`${p}/`)) guestSubset.set(k, v);
   }
 
   /** Sends a push plan in batches bounded by bytes and streams; contents are read only as their batch fills. */
