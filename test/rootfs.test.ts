@@ -104,12 +104,14 @@ describe.skipIf(missing !== undefined)('guest rootfs booted under QEMU (TCG)', {
     expect(['lz4', 'lzo', 'lzo-rle']).toContain(facts.zswap.compressor);
   });
 
-  it('sets up cgroup v2 with the agent in its own group and a pid-limited workload group', () => {
+  it('sets up cgroup v2 with the agent in its own group and a workload group with a process cap from the VM size', () => {
     expect(facts.cgroupSubtreeControl).toEqual(expect.arrayContaining(['memory', 'pids']));
-    expect(facts.workloadPidsMax).toBe('4096');
+    // init derives the workload's process cap from the VM's memory: one per 512 KiB, 64..4096.
+    const derived = String(Math.min(4096, Math.max(64, Math.floor(facts.memTotalKiB / 512))));
+    expect(facts.workloadPidsMax).toBe(derived);
     expect(facts.agentCgroup).toBe('0::/agent');
     // Tenant processes are capped per uid even before the agent moves them to /workload.
-    expect(facts.nprocLimit).toBe('4096');
+    expect(facts.nprocLimit).toBe(derived);
   });
 
   it("keeps the agent's channel and process out of the tenant's reach", () => {
