@@ -48,6 +48,17 @@ describe('the workspace quota (fast path and in-process tools)', () => {
     await sb.close();
   }, 120_000);
 
+  it('a long run on the host workspace (a loop: unsafe-local here) writing file after file is stopped while it writes', async () => {
+    const sb = await hutch.create({ quota: { bytes: MiB } });
+    // 1,000 files of 100 kB (100 MB) unless stopped; each is under the file limit.
+    const err = await sb.run('for i in $(seq 1 1000); do head -c 100000 /dev/zero > f$i; sleep 0.01; done', { timeoutMs: 600_000 }).catch((e: unknown) => e);
+    expect(err).toMatchObject({ code: 'quota_exceeded', context: { limit: 'bytes' } });
+    const names = readdirSync(wsOf(b, sb.id));
+    expect(names.length).toBeGreaterThan(10); // it was over the quota...
+    expect(names.length).toBeLessThan(1000); // ...and killed long before the end
+    await sb.close();
+  }, 600_000);
+
   it('files.write past the quota fails typed and writes nothing', async () => {
     const sb = await hutch.create({ workspace: { files: { 'a.txt': 'x\n' } }, quota: { bytes: MiB } });
     const err = await sb.call('write', { filePath: 'sub/dir/big.txt', content: 'z'.repeat(2 * MiB) }).catch((e: unknown) => e);

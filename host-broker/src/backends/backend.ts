@@ -58,6 +58,8 @@ export interface GuestState {
 export interface SandboxExecRequest extends Omit<ExecRequest, 'cwd'> {
   /** Workspace-relative working directory. */
   cwd?: string;
+  /** RLIMIT_FSIZE for a backend that runs on the host workspace (the session's remaining quota). */
+  fileSizeLimitBytes?: number;
 }
 
 /** Something of a call's workspace changes the sync could not bring to the host (typed, never dropped silently). */
@@ -143,6 +145,8 @@ export interface VmBackend {
   readonly isolation: string;
   /** Accelerator, for VM backends ('kvm' | 'tcg'). */
   readonly accel?: string;
+  /** Its calls write the host workspace directly (no guest /work sized from the quota): bounded like the fast path. */
+  readonly writesHostWorkspace?: boolean;
   /** Can sandboxes be suspended into snapshot slots? */
   readonly canSuspend: boolean;
   /** The current pristine snapshot's key (slots based on another one are stale). */

@@ -24,6 +24,7 @@ import type { GuestState, Sandbox, SandboxExecRequest, SandboxSpec, Synced, Sync
  */
 export class UnsafeLocalBackend implements VmBackend {
   readonly name = 'unsafe-local';
+  readonly writesHostWorkspace = true;
   readonly isolation = 'host kernel: bubblewrap user namespace + seccomp + cgroup per call (NOT a VM boundary)';
   readonly canSuspend = false;
   private readonly sandboxes = new Set<UnsafeLocalSandbox>();
@@ -83,6 +84,7 @@ class UnsafeLocalSandbox implements Sandbox {
         stdin: req.stdin === undefined ? undefined : await collect(req.stdin),
         timeoutMs: req.timeoutMs,
         maxOutputBytes: req.maxOutputBytes,
+        fileSizeLimitBytes: req.fileSizeLimitBytes,
         onStdout: req.onStdout,
         onStderr: req.onStderr,
         signal: ac.signal,

@@ -260,37 +260,40 @@ export class Session {
     let pushedBytes = 0;
     let pulledBytes = 0;
     let syncErrors: SyncError[] | undefined;
-    if (decision.route === 'fastpath') {
-      // Bounded while it writes: no file past the quota's remaining bytes (RLIMIT_FSIZE), the
-      // usage watched during a long run (many files), measured after.
-      const before = await this.quota.current();
-      const fileSizeLimitBytes = this.quota.fileSizeLimit(this.deps.maxFileBytes ?? DEFAULT_MAX_FILE_BYTES);
-      const over = new AbortController();
-      const unwatch = this.quota.watch((e) => over.abort(e));
-      try {
-        r = await this.deps.fastPath.run({ ...common, signal: AbortSignal.any([over.signal, ...(common.signal ? [common.signal] : [])]), workspace: this.workspaceDir, fileSizeLimitBytes });
-      } catch (e) {
-        throw over.signal.aborted ? over.signal.reason : e;
-      } finally {
-        unwatch();
-        // The sandbox may have written anywhere in the workspace; the next VM call re-checks it.
-        this.vm.hostChanges.markAll();
-        this.quota.stale();
+    // A command on the host workspace (the fast path, unsafe-local) is bounded while it
+    // writes: no file past the quota's remaining bytes (RLIMIT_FSIZE), the usage watched
+    // during a long run (many files), measured after. A VM's /work is sized from the quota.
+    const onHost = decision.route === 'fastpath' || this.deps.backend.writesHostWorkspace === true;
+    if (decision.route === 'vm') await this.quota.beforeVm();
+    const before = await this.quota.current();
+    const over = new AbortController();
+    const unwatch = onHost ? this.quota.watch((e) => over.abort(e)) : () => undefined;
+    const bounded = { ...common, signal: AbortSignal.any([over.signal, ...(common.signal ? [common.signal] : [])]), ...(onHost ? { fileSizeLimitBytes: this.quota.fileSizeLimit(this.deps.maxFileBytes ?? DEFAULT_MAX_FILE_BYTES) } : {}) };
+    try {
+      if (decision.route === 'fastpath') {
+        try {
+          r = await this.deps.fastPath.run({ ...bounded, workspace: this.workspaceDir });
+        } finally {
+          // The sandbox may have written anywhere in the workspace; the next VM call re-checks it.
+          this.vm.hostChanges.markAll();
+        }
+      } else {
+        const out = await this.vm.vmCall((sb, changes) => sb.exec(bounded, changes));
+        r = out.value;
+        wake = out.wake;
+        queuedMs = out.queuedMs;
+        pushedBytes = out.value.pushedBytes + (out.wake.pushedBytes ?? 0);
+        pulledBytes = out.value.pulledBytes;
+        syncErrors = out.value.syncErrors;
       }
-      if (over.signal.aborted) throw over.signal.reason;
-      await this.quota.afterRun(before, 'fastpath');
-    } else {
-      await this.quota.beforeVm();
-      const before = await this.quota.current();
-      const out = await this.vm.vmCall((sb, changes) => sb.exec(common, changes));
-      await this.quota.afterRun(before, 'vm', true);
-      r = out.value;
-      wake = out.wake;
-      queuedMs = out.queuedMs;
-      pushedBytes = out.value.pushedBytes + (out.wake.pushedBytes ?? 0);
-      pulledBytes = out.value.pulledBytes;
-      syncErrors = out.value.syncErrors;
+    } catch (e) {
+      throw over.signal.aborted ? over.signal.reason : e;
+    } finally {
+      unwatch();
+      this.quota.stale();
     }
+    if (over.signal.aborted) throw over.signal.reason;
+    await this.quota.afterRun(before, decision.route, decision.route === 'vm' && !onHost);
     return {
       route: decision.route,
       reason: decision.reason,
