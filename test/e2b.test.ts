@@ -60,6 +60,9 @@ describe('the e2b SDK against hutch', () => {
     expect(await sbx.files.getInfo('/work/bin.dat')).toMatchObject({ name: 'bin.dat', type: 'file', size: 6 });
     expect(await sbx.files.rename('/work/bin.dat', '/work/sub/moved.dat')).toMatchObject({ path: '/work/sub/moved.dat' });
     expect(await sbx.files.exists('/work/bin.dat')).toBe(false);
+    // cwd inside the workspace and per-command envs (beside the sandbox's).
+    const here = await sbx.commands.run('printf "%s %s " "$X" "$GREETING"; ls', { cwd: '/work/sub', envs: { X: 'per-command' } });
+    expect(here.stdout).toBe('per-command hi-from-envvars deeper\nmoved.dat\n');
     await sbx.files.remove('/work/notes');
     expect(await sbx.files.exists('/work/notes/a.txt')).toBe(false);
     // Confinement is the workspace's: a path outside it is refused, not served.

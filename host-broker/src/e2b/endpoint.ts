@@ -554,7 +554,11 @@ export class E2bEndpoint {
     const cwd = typeof cfg.cwd === 'string' && cfg.cwd ? cfg.cwd : undefined;
     // E2B runs `bash -l -c <cmd>`: the command is <cmd>, run by hutch's own shell.
     const script = cfg.cmd.endsWith('bash') && args.length === 3 && args[0] === '-l' && args[1] === '-c' ? (args[2] as string) : [cfg.cmd, ...args].map(shellQuote).join(' ');
-    const command = cwd ? `cd ${shellQuote(cwd)} && ${script}` : script;
+    // Commands start in the workspace; a cwd inside it is taken relative to it, so it means
+    // the same directory on every route (the fast path and backends mount it in different places).
+    const mp = s.files.ws.mountPoint;
+    const dir = cwd === undefined || cwd === mp || cwd === `${mp}/` ? undefined : cwd.startsWith(`${mp}/`) ? cwd.slice(mp.length + 1) : cwd;
+    const command = dir ? `cd ${shellQuote(dir)} && ${script}` : script;
     const pid = this.nextPid++;
     const proc: Proc = { cmd: cfg.cmd, args, envs, cwd, tag: typeof msg['tag'] === 'string' ? msg['tag'] : undefined, signal: undefined, abort: new AbortController() };
     sb.procs.set(pid, proc);
