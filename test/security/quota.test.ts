@@ -93,9 +93,9 @@ describe('the workspace quota (fast path and in-process tools)', () => {
     expect(t.stdout).not.toContain('rc=0');
     expect(lstatSync(join(wsOf(b, sb.id), 'sparse.bin')).size).toBeLessThanOrEqual(64 * MiB);
     // One made some other way (here: by the host, seen by the measure after the next fast-path
-    // call) would fill the VM's /work: refused before the VM is woken, named.
+    // call that writes) would fill the VM's /work: refused before the VM is woken, named.
     truncateSync(join(wsOf(b, sb.id), 'sparse.bin'), 20 * 1024 * MiB);
-    await sb.run('cat a.txt');
+    await sb.run('touch b.txt');
     await expect(sb.run('cat a.txt', { route: 'vm' })).rejects.toMatchObject({ code: 'quota_exceeded', context: { path: 'sparse.bin', size: 20 * 1024 * MiB } });
     await sb.run('rm sparse.bin');
     expect((await sb.run('cat a.txt', { route: 'vm' })).stdout).toBe('x\n');

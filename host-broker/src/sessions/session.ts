@@ -264,6 +264,9 @@ export class Session {
     // writes: no file past the quota's remaining bytes (RLIMIT_FSIZE), the usage watched
     // during a long run (many files), measured after. A VM's /work is sized from the quota.
     const onHost = decision.route === 'fastpath' || this.deps.backend.writesHostWorkspace === true;
+    // A fast-path call the router proved read-only is not measured after (a walk of a big tree
+    // after every `cat` would be most of its cost); RLIMIT_FSIZE and the watch still bound it.
+    const mayWrite = decision.route !== 'fastpath' || !('writes' in decision) || decision.writes.length > 0;
     if (decision.route === 'vm') await this.quota.beforeVm();
     const before = await this.quota.current();
     const over = new AbortController();
@@ -290,10 +293,10 @@ export class Session {
       throw over.signal.aborted ? over.signal.reason : e;
     } finally {
       unwatch();
-      this.quota.stale();
+      if (mayWrite) this.quota.stale();
     }
     if (over.signal.aborted) throw over.signal.reason;
-    await this.quota.afterRun(before, decision.route, decision.route === 'vm' && !onHost);
+    if (mayWrite) await this.quota.afterRun(before, decision.route, decision.route === 'vm' && !onHost);
     return {
       route: decision.route,
       reason: decision.reason,
