@@ -34,6 +34,8 @@ export async function startBroker(
     limits?: Partial<WsLimits>;
     /** A second, token-less listener for /metrics. */
     metricsListen?: { host: string; port: number };
+    /** The broker's workspace quota per session. */
+    quota?: { bytes: number; files: number };
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
@@ -55,6 +57,7 @@ export async function startBroker(
     ...(o.workspaceRoots ? { workspaceRoots: o.workspaceRoots } : {}),
     ...(o.limits ? { limits: o.limits } : {}),
     ...(o.metricsListen ? { metricsListen: o.metricsListen } : {}),
+    ...(o.quota ? { quota: o.quota } : {}),
   });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;

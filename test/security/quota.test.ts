@@ -103,6 +103,25 @@ describe('the workspace quota (fast path and in-process tools)', () => {
   }, 120_000);
 });
 
+describe("the broker's quota (--quota-bytes, --quota-files)", () => {
+  let b: TestBroker;
+  let hutch: Hutch;
+  beforeAll(async () => {
+    b = await startBroker({ quota: { bytes: MiB, files: 3 } });
+    hutch = await b.connect();
+  }, 120_000);
+  afterAll(async () => b?.stop());
+
+  it('applies to a create that asks nothing, and a create may not ask more', async () => {
+    const sb = await hutch.create();
+    await expect(sb.call('write', { filePath: 'big.txt', content: 'z'.repeat(2 * MiB) })).rejects.toMatchObject({ code: 'quota_exceeded', context: { limit: 'bytes', quota: MiB } });
+    await expect(sb.call('write', { filePath: 'a/b/c/d.txt', content: 'd' })).rejects.toMatchObject({ code: 'quota_exceeded', context: { limit: 'files', quota: 3 } });
+    expect(readdirSync(wsOf(b, sb.id))).toEqual([]);
+    await expect(hutch.create({ quota: { files: 4 } })).rejects.toMatchObject({ code: 'bad_request', context: { limit: 'files', quota: 3 } });
+    await sb.close();
+  }, 120_000);
+});
+
 describe('the workspace quota in a real VM', { tags: ['vm'] }, () => {
   let b: TestBroker;
   let hutch: Hutch;
