@@ -92,6 +92,25 @@ describe('the e2b SDK against hutch', () => {
     await sbx.kill();
   });
 
+  it('a background command outlives its disconnected stream; commands.connect gets its later output and end', async () => {
+    const sbx = await Sandbox.create(opts(b.token));
+    let started!: () => void;
+    const sawFirst = new Promise<void>((r) => (started = r));
+    // Waits for a file the test writes (unsafe-local: the command sees the host workspace).
+    const h = await sbx.commands.run('echo first; while [ ! -f go ]; do sleep 0.05; done; echo second', { background: true, onStdout: () => started() });
+    await sawFirst;
+    await h.disconnect();
+    expect((await sbx.commands.list()).map((p) => p.pid)).toContain(h.pid);
+    const seen: string[] = [];
+    const again = await sbx.commands.connect(h.pid, { onStdout: (d) => void seen.push(d) });
+    await sbx.files.write('/work/go', '');
+    const r = await again.wait();
+    expect(r.exitCode).toBe(0);
+    expect(seen.join('')).toBe('second\n');
+    await expect(sbx.commands.connect(999_999)).rejects.toThrow(/not.?found|999999/i);
+    await sbx.kill();
+  });
+
   it('pause releases the sandbox, getInfo says paused, connect resumes it with its files', async () => {
     const sbx = await Sandbox.create(opts(b.token));
     await sbx.files.write('/work/kept.txt', 'kept\n');

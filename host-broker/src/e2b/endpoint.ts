@@ -64,6 +64,8 @@ interface Proc {
   tag: string | undefined;
   signal: ((sig: SignalName) => Promise<boolean>) | undefined;
   abort: AbortController;
+  /** The streams receiving its events: Start's and any Connect's (each leaves when its client goes). */
+  watchers: Set<ServerStream>;
 }
 
 class ApiError extends Error {
@@ -352,6 +354,7 @@ export class E2bEndpoint {
     if (m !== 'POST') return apiError(res, 404, `not found: ${m} ${path}`);
     const rpc = path.slice(1);
     if (rpc === 'process.Process/Start') return this.start(req, res, sb, s);
+    if (rpc === 'process.Process/Connect') return this.connect(req, res, sb);
     let msg: Record<string, unknown>;
     try {
       msg = requestMessage(req, await readBody(req, 1024 * 1024));
@@ -560,13 +563,16 @@ export class E2bEndpoint {
     const dir = cwd === undefined || cwd === mp || cwd === `${mp}/` ? undefined : cwd.startsWith(`${mp}/`) ? cwd.slice(mp.length + 1) : cwd;
     const command = dir ? `cd ${shellQuote(dir)} && ${script}` : script;
     const pid = this.nextPid++;
-    const proc: Proc = { cmd: cfg.cmd, args, envs, cwd, tag: typeof msg['tag'] === 'string' ? msg['tag'] : undefined, signal: undefined, abort: new AbortController() };
+    const proc: Proc = { cmd: cfg.cmd, args, envs, cwd, tag: typeof msg['tag'] === 'string' ? msg['tag'] : undefined, signal: undefined, abort: new AbortController(), watchers: new Set() };
     sb.procs.set(pid, proc);
-    // The client going away cancels the command, as envd does when its stream closes.
-    res.on('close', () => proc.abort.abort(new HutchError('cancelled', 'the client closed the stream')));
-    const keepalive = setInterval(() => stream.send({ event: { keepalive: {} } }), 30_000);
+    // As in envd, the client going away does not end the command (the SDK's disconnect(), then
+    // commands.connect(pid)); it runs to its end, its timeout or a SendSignal.
+    this.watch(proc, pid, res, stream);
+    const fan = (ev: unknown) => {
+      for (const w of proc.watchers) w.send(ev);
+    };
+    const keepalive = setInterval(() => fan({ event: { keepalive: {} } }), 30_000);
     keepalive.unref();
-    stream.send({ event: { start: { pid } } });
     const timeoutHeader = Number(req.headers['connect-timeout-ms'] ?? 0);
     try {
       const r = await s.call(
@@ -575,21 +581,45 @@ export class E2bEndpoint {
         {
           signal: proc.abort.signal,
           onSignalable: (send) => (proc.signal = send),
-          onStdout: (c) => stream.send({ event: { data: { stdout: Buffer.from(c).toString('base64') } } }),
-          onStderr: (c) => stream.send({ event: { data: { stderr: Buffer.from(c).toString('base64') } } }),
+          onStdout: (c) => fan({ event: { data: { stdout: Buffer.from(c).toString('base64') } } }),
+          onStderr: (c) => fan({ event: { data: { stderr: Buffer.from(c).toString('base64') } } }),
         },
       );
       const b = r.result as { exitCode: number | null; signal?: string | null; timedOut?: boolean };
       const exitCode = b.exitCode ?? -1;
       const status = b.timedOut ? 'timeout' : b.signal ? `signal: ${b.signal}` : `exit status ${exitCode}`;
-      stream.send({ event: { end: { exitCode, exited: b.exitCode !== null, status, ...(b.timedOut ? { error: 'command timed out' } : {}) } } });
-      stream.end();
+      fan({ event: { end: { exitCode, exited: b.exitCode !== null, status, ...(b.timedOut ? { error: 'command timed out' } : {}) } } });
+      for (const w of proc.watchers) w.end();
     } catch (err) {
-      stream.end(err);
+      for (const w of proc.watchers) w.end(err);
     } finally {
       clearInterval(keepalive);
       sb.procs.delete(pid);
     }
+  }
+
+  /** process.Process/Connect: a running command's events from now on (what it printed before is not replayed). */
+  private async connect(req: IncomingMessage, res: ServerResponse, sb: Sandbox): Promise<void> {
+    let proc: Proc;
+    let pid: number;
+    try {
+      const msg = requestMessage(req, await readBody(req, 1024 * 1024));
+      proc = this.proc(sb, msg);
+      pid = [...sb.procs.entries()].find(([, p]) => p === proc)?.[0] as number;
+    } catch (err) {
+      if (err instanceof ApiError) throw err;
+      // A server-streaming call answers its errors in the stream's end envelope.
+      return new ServerStream(res).end(err);
+    }
+    this.watch(proc, pid, res);
+  }
+
+  /** Opens a stream on `res` for a process's events, starting with its start event. */
+  private watch(proc: Proc, pid: number, res: ServerResponse, stream = new ServerStream(res)): ServerStream {
+    stream.send({ event: { start: { pid } } });
+    proc.watchers.add(stream);
+    res.on('close', () => proc.watchers.delete(stream));
+    return stream;
   }
 }
 
