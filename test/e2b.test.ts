@@ -5,7 +5,7 @@
  * confinement: test/security/e2b.test.ts.
  */
 import { randomBytes } from 'node:crypto';
-import { Sandbox, CommandExitError } from 'e2b';
+import { Sandbox, CommandExitError, type CommandHandle } from 'e2b';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { startBroker, type TestBroker } from './helpers/broker.ts';
 
@@ -14,6 +14,15 @@ let base: string;
 
 function opts(apiKey: string): { apiKey: string; apiUrl: string; sandboxUrl: string } {
   return { apiKey, apiUrl: `${base}/e2b/api`, sandboxUrl: `${base}/e2b/envd` };
+}
+
+/** A background command, once it has printed something (so it is surely running). */
+async function startedInBackground(sbx: Sandbox, cmd: string): Promise<CommandHandle> {
+  let started!: () => void;
+  const sawOutput = new Promise<void>((r) => (started = r));
+  const h = await sbx.commands.run(cmd, { background: true, onStdout: () => started() });
+  await sawOutput;
+  return h;
 }
 
 beforeAll(async () => {
@@ -79,10 +88,7 @@ describe('the e2b SDK against hutch', () => {
 
   it('kills a background command by its pid (SendSignal) and lists it while it runs', async () => {
     const sbx = await Sandbox.create(opts(b.token));
-    let started!: () => void;
-    const sawOutput = new Promise<void>((r) => (started = r));
-    const h = await sbx.commands.run('echo started; sleep 60', { background: true, onStdout: () => started() });
-    await sawOutput;
+    const h = await startedInBackground(sbx, 'echo started; sleep 60');
     const procs = await sbx.commands.list();
     expect(procs.map((p) => p.pid)).toContain(h.pid);
     expect(await sbx.commands.kill(h.pid)).toBe(true);
@@ -94,11 +100,8 @@ describe('the e2b SDK against hutch', () => {
 
   it('a background command outlives its disconnected stream; commands.connect gets its later output and end', async () => {
     const sbx = await Sandbox.create(opts(b.token));
-    let started!: () => void;
-    const sawFirst = new Promise<void>((r) => (started = r));
     // Waits for a file the test writes (unsafe-local: the command sees the host workspace).
-    const h = await sbx.commands.run('echo first; while [ ! -f go ]; do sleep 0.05; done; echo second', { background: true, onStdout: () => started() });
-    await sawFirst;
+    const h = await startedInBackground(sbx, 'echo first; while [ ! -f go ]; do sleep 0.05; done; echo second');
     await h.disconnect();
     expect((await sbx.commands.list()).map((p) => p.pid)).toContain(h.pid);
     const seen: string[] = [];
