@@ -17,7 +17,8 @@
  *   tb_<N>_run_ms            at tb-size N MiB (64, 32, 16; same run): wall time of the first
  *                            `python3 -m unittest` on datespan in a restored VM, median of rounds,
  *                            with tb_<N>_resident_mib the buffer resident after it and
- *                            tb_<N>_anon_excl_tcg_mib QEMU's other anonymous memory
+ *                            tb_<N>_anon_excl_tcg_mib QEMU's other anonymous memory, and
+ *                            tb_<N>_flushes how often the buffer was emptied (full) meanwhile
  *   unittest_cpu_ms_preloaded / _cold   guest user+sys CPU of `python3 -m unittest` on datespan,
  *                            in a restored VM (stdlib preloaded before the snapshot) vs a VM booted
  *                            with hutch.preload=0 (first run in each)
@@ -141,7 +142,7 @@ async function unittestCpu(
   image = backend.image,
   envPrefix = '',
   be: QemuBackend = backend,
-): Promise<{ first: number; second: number; firstWallMs: number; exitCode: number | null; tcgResidentMiB: number; anonExclTcgMiB: number }> {
+): Promise<{ first: number; second: number; firstWallMs: number; exitCode: number | null; tcgResidentMiB: number; anonExclTcgMiB: number; tbFlushes: number | null }> {
   const { vm, agent } = await firstReply(() => be.driver.restore(spec({ image }), snapshot), 60_000);
   try {
     await agent.call('agent.resume', { unixTimeMs: Date.now(), entropy: new Uint8Array(64).fill(7) });
@@ -161,12 +162,27 @@ async function unittestCpu(
       exitCode = r.exitCode;
     }
     const m = await qemuMemory(vm.pid);
-    return { first: cpu[0] as number, second: cpu[1] as number, firstWallMs: wall[0] as number, exitCode, tcgResidentMiB: m.tcg.rssKiB / 1024, anonExclTcgMiB: m.excludingTcg.anonKiB / 1024 };
+    return { first: cpu[0] as number, second: cpu[1] as number, firstWallMs: wall[0] as number, exitCode, tcgResidentMiB: m.tcg.rssKiB / 1024, anonExclTcgMiB: m.excludingTcg.anonKiB / 1024, tbFlushes: await tbFlushCount(vm) };
   } finally {
     agent.close();
     await vm.destroy();
   }
 }
+/**
+ * How many times QEMU emptied the translation buffer since it started (HMP `info jit`):
+ * a flush when the buffer is full throws away every translated block, which the guest then
+ * pays to translate again. Unlike run times, this does not vary with the host's load. The
+ * restore itself flushes once. Read through the VM's QMP connection, which the driver keeps
+ * to itself (a bench-only reach into it); null if that is not there.
+ */
+async function tbFlushCount(vm: Vm): Promise<number | null> {
+  const qmp = (vm as unknown as { qmp?: { execute(cmd: string, args?: Record<string, unknown>): Promise<unknown> } }).qmp;
+  if (!qmp) return null;
+  const text = String(await qmp.execute('human-monitor-command', { 'command-line': 'info jit' }));
+  const n = /TB flush count\s+(\d+)/.exec(text)?.[1];
+  return n === undefined ? null : Number(n);
+}
+
 const preloaded = await unittestCpu(pristine);
 const coldImage = { ...backend.image, cmdline: [...(backend.image.cmdline ?? []), 'hutch.preload=0'] };
 const coldPristine = await backend.snapshots.pristine({ ...coldImage, key: backend.image.key }, SIZE);
@@ -180,7 +196,7 @@ progress(`unittest CPU (first/second run): preloaded ${preloaded.first.toFixed(0
 // run at each tb-size, rounds interleaved so load drifts hit every size alike. Only under
 // TCG (KVM has no buffer).
 const TB_SIZES = [64, 32, 16] as const;
-const tbRuns: Record<number, Array<{ wallMs: number; cpuMs: number; residentMiB: number; anonExclTcgMiB: number }>> = { 64: [], 32: [], 16: [] };
+const tbRuns: Record<number, Array<{ wallMs: number; cpuMs: number; residentMiB: number; anonExclTcgMiB: number; flushes: number | null }>> = { 64: [], 32: [], 16: [] };
 if (backend.accel === 'tcg') {
   const backends = new Map<number, QemuBackend>();
   for (const tb of TB_SIZES) {
@@ -189,7 +205,7 @@ if (backend.accel === 'tcg') {
   for (let round = 0; round < (quick ? 1 : 3); round++) {
     for (const tb of TB_SIZES) {
       const r = await unittestCpu(pristine, backend.image, '', backends.get(tb));
-      tbRuns[tb]?.push({ wallMs: r.firstWallMs, cpuMs: r.first, residentMiB: r.tcgResidentMiB, anonExclTcgMiB: r.anonExclTcgMiB });
+      tbRuns[tb]?.push({ wallMs: r.firstWallMs, cpuMs: r.first, residentMiB: r.tcgResidentMiB, anonExclTcgMiB: r.anonExclTcgMiB, flushes: r.tbFlushes });
     }
   }
   for (const be of backends.values()) await be.shutdown();
@@ -206,6 +222,8 @@ const tbSummary = Object.fromEntries(
       // QEMU's anonymous memory beside the buffer (guest RAM copied on write, TCG's metadata
       // of the translated blocks, heap): part of it grows with the number of blocks.
       [`tb_${tb}_anon_excl_tcg_mib`, round(median(runs.map((x) => x.anonExclTcgMiB)), 1)],
+      // Buffer flushes from the restore to the end of the two unittest runs (1 = the restore's own).
+      [`tb_${tb}_flushes`, runs.some((x) => x.flushes === null) ? null : median(runs.map((x) => x.flushes as number))],
     ];
   }),
 );
@@ -244,7 +262,7 @@ emit(
     { measure: 'PSS MiB per idle VM after a call', value: summary.pss_mib_after_call, aim: '' },
     { measure: `TCG translation buffer resident MiB after a call (tb-size ${summary.tcg_tb_size_mib})`, value: summary.tcg_tb_mib, aim: '' },
     { measure: 'private MiB per idle VM after a call, TCG buffer excluded', value: summary.private_mib_excl_tcg, aim: '<= 16' },
-    ...TB_SIZES.filter((tb) => `tb_${tb}_run_ms` in tbSummary).map((tb) => ({ measure: `unittest run ms at tb-size ${tb} (resident MiB ${tbSummary[`tb_${tb}_resident_mib`]})`, value: tbSummary[`tb_${tb}_run_ms`] ?? null, aim: '' })),
+    ...TB_SIZES.filter((tb) => `tb_${tb}_run_ms` in tbSummary).map((tb) => ({ measure: `unittest run ms at tb-size ${tb} (resident MiB ${tbSummary[`tb_${tb}_resident_mib`]}, buffer flushes ${tbSummary[`tb_${tb}_flushes`]})`, value: tbSummary[`tb_${tb}_run_ms`] ?? null, aim: '' })),
     { measure: 'unittest guest CPU ms, preloaded', value: summary.unittest_cpu_ms_preloaded, aim: '' },
     { measure: 'unittest guest CPU ms, no preload (image bytecode only)', value: summary.unittest_cpu_ms_cold, aim: 'preload <= half' },
     { measure: 'unittest guest CPU ms, no bytecode cache at all', value: summary.unittest_cpu_ms_no_bytecode, aim: '' },
