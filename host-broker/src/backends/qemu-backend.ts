@@ -1,5 +1,5 @@
-import { mkdirSync, readFileSync, writeFileSync, statSync } from 'node:fs';
-import { join } from 'node:path';
+import { mkdirSync, readFileSync, writeFileSync, statSync, utimesSync } from 'node:fs';
+import { dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
@@ -99,6 +99,7 @@ export class QemuBackend implements VmBackend {
 
   async start(spec: SandboxSpec, opts: StartOptions = {}): Promise<{ sandbox: Sandbox; wake: WakeInfo }> {
     const t0 = performance.now();
+    this.markImageInUse();
     const { from } = opts;
     const size = this.size(spec);
     const pristine = await this.snapshots.pristine(this.image, size);
@@ -166,6 +167,20 @@ export class QemuBackend implements VmBackend {
   private get deadAfterMs(): number | undefined {
     const v = this.opts.guestDeadAfterMs ?? Number(process.env['HUTCH_GUEST_DEAD_AFTER_MS'] ?? NaN);
     return Number.isFinite(v) && v > 0 ? v : undefined;
+  }
+
+  private imageTouchedAt = 0;
+
+  /** Keeps the image's cache entry fresh so a build of another image never prunes it under us (rootfs/prune.ts). */
+  private markImageInUse(): void {
+    if (Date.now() - this.imageTouchedAt < 60_000) return;
+    this.imageTouchedAt = Date.now();
+    const now = new Date();
+    try {
+      utimesSync(dirname(this.image.rootfs), now, now);
+    } catch {
+      // a read-only cache: prune cannot remove it either
+    }
   }
 
   /** Guest RPC deadlines: an emulated guest gets several times a KVM guest's. */

@@ -51,7 +51,8 @@ export function startDaemon(opts: DaemonOptions): Daemon {
     if (opts.interesting?.test(line)) opts.log.info('daemon.output', { line });
     else opts.log.debug('daemon.output', { line });
   };
-  for (const s of [proc.stdout, proc.stderr]) if (s) createInterface({ input: s }).on('line', onLine);
+  // The interface re-emits stream errors on itself; unheard, they would crash the broker.
+  for (const s of [proc.stdout, proc.stderr]) if (s) createInterface({ input: s }).on('line', onLine).on('error', () => undefined);
   let running = true;
   const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) => {
     proc.once('exit', (code, signal) => {

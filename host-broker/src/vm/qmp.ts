@@ -17,7 +17,11 @@ export class QmpClient extends EventEmitter {
 
   private constructor(private readonly sock: Socket) {
     super();
-    createInterface({ input: sock }).on('line', (line) => this.onLine(line));
+    // readline re-emits its input's errors on itself: unheard, a QEMU that dies mid-connect
+    // (ECONNRESET) would be an uncaught exception that takes the whole broker down.
+    createInterface({ input: sock })
+      .on('line', (line) => this.onLine(line))
+      .on('error', () => undefined);
     sock.on('close', () => {
       this.closed = true;
       for (const q of this.queue.splice(0)) q.reject(new HutchError('guest_crashed', `QMP connection closed during ${q.cmd}`));
