@@ -123,6 +123,10 @@ describe('the e2b SDK against hutch', () => {
     const again = await Sandbox.connect(sbx.sandboxId, opts(b.token));
     expect((await Sandbox.getInfo(sbx.sandboxId, opts(b.token))).state).toBe('running');
     expect((await again.commands.run('cat kept.txt')).stdout).toBe('kept\n');
+    // Used while paused (no connect): resumed, like E2B's autoResume.
+    await again.pause();
+    expect(await again.files.read('/work/kept.txt')).toBe('kept\n');
+    expect((await Sandbox.getInfo(sbx.sandboxId, opts(b.token))).state).toBe('running');
     await again.setTimeout(600_000);
     expect((await Sandbox.getInfo(sbx.sandboxId, opts(b.token))).endAt.getTime()).toBeGreaterThan(Date.now() + 500_000);
     await again.kill();

@@ -343,6 +343,11 @@ export class E2bEndpoint {
     // for a sandbox that is not running; the SDK reads that as "not running anymore").
     if (!sb || typeof token !== 'string' || !sameSecret(token, sb.accessToken) || !this.alive(sb)) return apiError(res, 502, 'sandbox not found or not running');
     authenticated();
+    if (sb.state === 'paused' && path !== '/health') {
+      // Used while paused: resumed, as E2B's autoResume does (hutch wakes it on the call anyway).
+      sb.state = 'running';
+      this.arm(sb, DEFAULT_TIMEOUT_S);
+    }
     const s = this.session(sb);
     const m = req.method ?? 'GET';
     if (path === '/health') {
