@@ -114,6 +114,44 @@ describe('the e2b SDK against hutch', () => {
     await sbx.kill();
   });
 
+  it("watchDir streams the directory events; the polling watcher (the Python SDK's) returns them on request", async () => {
+    const sbx = await Sandbox.create(opts(b.token));
+    await sbx.files.makeDir('/work/w');
+    const seen: Array<{ name: string; type: string }> = [];
+    const h = await sbx.files.watchDir('/work/w', (e) => void seen.push({ name: e.name, type: e.type }));
+    await sbx.files.write('/work/w/new.txt', 'x');
+    await sbx.commands.run('rm w/new.txt');
+    while (!seen.some((e) => e.type === 'remove')) await new Promise((r) => setTimeout(r, 50));
+    expect(seen.filter((e) => e.type !== 'write')).toEqual([
+      { name: 'new.txt', type: 'create' },
+      { name: 'new.txt', type: 'remove' },
+    ]);
+    await h.stop();
+    await sbx.kill();
+
+    // The polling watcher over the wire, as the Python SDK calls it.
+    const made = (await (await fetch(`${base}/e2b/api/v2/sandboxes`, { method: 'POST', headers: { 'X-API-KEY': b.token, 'content-type': 'application/json' }, body: '{}' })).json()) as { sandboxID: string; envdAccessToken: string };
+    const rpc = async (method: string, body: unknown): Promise<Record<string, unknown>> => {
+      const res = await fetch(`${base}/e2b/envd/filesystem.Filesystem/${method}`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json', 'E2b-Sandbox-Id': made.sandboxID, 'X-Access-Token': made.envdAccessToken },
+        body: JSON.stringify(body),
+      });
+      expect(res.status).toBe(200);
+      return (await res.json()) as Record<string, unknown>;
+    };
+    const { watcherId } = await rpc('CreateWatcher', { path: '/work', recursive: true });
+    await rpc('MakeDir', { path: '/work/d' });
+    let events: unknown[] = [];
+    while (events.length === 0) {
+      await new Promise((r) => setTimeout(r, 50));
+      events = (await rpc('GetWatcherEvents', { watcherId })).events as unknown[];
+    }
+    expect(events).toEqual([{ name: 'd', type: 'EVENT_TYPE_CREATE' }]);
+    await rpc('RemoveWatcher', { watcherId });
+    await fetch(`${base}/e2b/api/sandboxes/${made.sandboxID}`, { method: 'DELETE', headers: { 'X-API-KEY': b.token } });
+  });
+
   it('pause releases the sandbox, getInfo says paused, connect resumes it with its files', async () => {
     const sbx = await Sandbox.create(opts(b.token));
     await sbx.files.write('/work/kept.txt', 'kept\n');

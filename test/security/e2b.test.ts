@@ -62,13 +62,14 @@ describe('E2B surface: keys, principals, access tokens, paths', () => {
     await mine.kill();
   });
 
-  it('file paths outside the workspace are refused over /files and the Filesystem service', async () => {
+  it('file paths outside the workspace are refused over /files and the Filesystem service (watches too)', async () => {
     const sbx = await Sandbox.create(opts(b.token));
     await expect(sbx.files.read('/etc/passwd')).rejects.toThrow(/outside/);
     await expect(sbx.files.read('/work/../../../../etc/passwd')).rejects.toThrow(/outside|above/);
     await expect(sbx.files.write('/tmp/escape.txt', 'x')).rejects.toThrow(/outside/);
     await expect(sbx.files.list('/')).rejects.toThrow(/outside/);
     await expect(sbx.files.makeDir('/work/../escape')).rejects.toThrow(/outside|above/);
+    await expect(sbx.files.watchDir('/etc', () => undefined)).rejects.toThrow(/outside/);
     await sbx.kill();
   });
 });

@@ -25,6 +25,7 @@ import type { Principals } from '../api/principals.ts';
 import type { SessionManager } from '../sessions/session-manager.ts';
 import type { Session, SignalName } from '../sessions/session.ts';
 import { ConnectError, requestMessage, ServerStream, unaryError, unaryReply } from './connect-json.ts';
+import { PollingWatcher, watchDir } from './watch.ts';
 
 /**
  * The envd version reported to the SDK. 0.5.7 switches on octet-stream uploads (served);
@@ -40,6 +41,8 @@ const DEFAULT_TIMEOUT_S = 300;
 const MAX_TIMEOUT_S = 24 * 3600;
 /** Body limit for API JSON and uploads: the file tools' default file limit plus multipart overhead. */
 const MAX_BODY_BYTES = 65 * 1024 * 1024;
+/** Directory watches (streamed and polling) a sandbox may hold at once. */
+const MAX_WATCHES = 16;
 
 interface Sandbox {
   id: string;
@@ -54,6 +57,9 @@ interface Sandbox {
   timer: NodeJS.Timeout | undefined;
   /** Commands running now, by the pid handed to the SDK. */
   procs: Map<number, Proc>;
+  /** Polling watchers by id; `watches` counts these and the open WatchDir streams. */
+  watchers: Map<string, PollingWatcher>;
+  watches: number;
 }
 
 interface Proc {
@@ -163,9 +169,12 @@ export class E2bEndpoint {
     }
   }
 
-  /** Broker shutdown: the timers go (the sessions are the broker's to release). */
+  /** Broker shutdown: the timers and watchers go (the sessions are the broker's to release). */
   close(): void {
-    for (const sb of this.sandboxes.values()) clearTimeout(sb.timer);
+    for (const sb of this.sandboxes.values()) {
+      clearTimeout(sb.timer);
+      this.dropWatchers(sb);
+    }
     this.sandboxes.clear();
   }
 
@@ -245,7 +254,7 @@ export class E2bEndpoint {
     // hutch has one sandbox image; every template name gets it (the name is kept and reported).
     const s = await this.o.sessions.create({}, principal);
     const now = new Date();
-    const sb: Sandbox = { id: s.id, principal, templateID, metadata, envVars, accessToken: randomBytes(24).toString('hex'), startedAt: now, endAt: now, state: 'running', timer: undefined, procs: new Map() };
+    const sb: Sandbox = { id: s.id, principal, templateID, metadata, envVars, accessToken: randomBytes(24).toString('hex'), startedAt: now, endAt: now, state: 'running', timer: undefined, procs: new Map(), watchers: new Map(), watches: 0 };
     this.sandboxes.set(sb.id, sb);
     this.arm(sb, timeout);
     this.o.log.info('e2b.sandbox_created', { sandbox: sb.id, principal, templateID });
@@ -329,6 +338,7 @@ export class E2bEndpoint {
   private async kill(sb: Sandbox): Promise<void> {
     clearTimeout(sb.timer);
     this.sandboxes.delete(sb.id);
+    this.dropWatchers(sb);
     await this.o.sessions.close(sb.id, false, sb.principal);
     this.o.log.info('e2b.sandbox_killed', { sandbox: sb.id });
   }
@@ -360,6 +370,7 @@ export class E2bEndpoint {
     const rpc = path.slice(1);
     if (rpc === 'process.Process/Start') return this.start(req, res, sb, s);
     if (rpc === 'process.Process/Connect') return this.connect(req, res, sb);
+    if (rpc === 'filesystem.Filesystem/WatchDir') return this.watchStream(req, res, sb, s);
     let msg: Record<string, unknown>;
     try {
       msg = requestMessage(req, await readBody(req, 1024 * 1024));
@@ -403,6 +414,27 @@ export class E2bEndpoint {
         await this.listInto(s, path(), depth, entries);
         return { entries };
       }
+      case 'filesystem.Filesystem/CreateWatcher': {
+        this.reserveWatch(sb);
+        try {
+          const w = await PollingWatcher.start(s, path(), msg['recursive'] === true);
+          const watcherId = randomBytes(8).toString('hex');
+          sb.watchers.set(watcherId, w);
+          return { watcherId };
+        } catch (err) {
+          sb.watches--;
+          throw err;
+        }
+      }
+      case 'filesystem.Filesystem/GetWatcherEvents':
+        return { events: this.watcher(sb, msg).take() };
+      case 'filesystem.Filesystem/RemoveWatcher': {
+        const w = this.watcher(sb, msg);
+        sb.watchers.delete(msg['watcherId'] as string);
+        sb.watches--;
+        await w.close();
+        return {};
+      }
       case 'process.Process/List':
         return {
           processes: [...sb.procs.entries()].map(([pid, p]) => ({ pid, config: { cmd: p.cmd, args: p.args, envs: p.envs, ...(p.cwd ? { cwd: p.cwd } : {}) }, ...(p.tag ? { tag: p.tag } : {}) })),
@@ -418,6 +450,53 @@ export class E2bEndpoint {
       default:
         throw new ConnectError('unimplemented', `${rpc} is not implemented by hutch's envd (see the README's E2B table)`);
     }
+  }
+
+  private reserveWatch(sb: Sandbox): void {
+    if (sb.watches >= MAX_WATCHES) throw new ConnectError('resource_exhausted', `a sandbox holds at most ${MAX_WATCHES} directory watches`);
+    sb.watches++;
+  }
+
+  private watcher(sb: Sandbox, msg: Record<string, unknown>): PollingWatcher {
+    const w = typeof msg['watcherId'] === 'string' ? sb.watchers.get(msg['watcherId']) : undefined;
+    if (!w) throw new ConnectError('not_found', `no watcher ${JSON.stringify(msg['watcherId'])}`);
+    return w;
+  }
+
+  private dropWatchers(sb: Sandbox): void {
+    for (const w of sb.watchers.values()) void w.close();
+    sb.watchers.clear();
+  }
+
+  /** Filesystem.WatchDir: a start event, then the directory's events until the client goes. */
+  private async watchStream(req: IncomingMessage, res: ServerResponse, sb: Sandbox, s: Session): Promise<void> {
+    let close: (() => Promise<void>) | undefined;
+    let stream: ServerStream | undefined;
+    try {
+      const msg = requestMessage(req, await readBody(req, 1024 * 1024));
+      const path = msg['path'];
+      if (typeof path !== 'string' || !path) throw new ConnectError('invalid_argument', 'path is required');
+      this.reserveWatch(sb);
+      try {
+        close = await watchDir(s, path, msg['recursive'] === true, (e) => stream?.send({ filesystem: e }));
+      } catch (err) {
+        sb.watches--;
+        throw err;
+      }
+    } catch (err) {
+      if (err instanceof ApiError) throw err;
+      return new ServerStream(res).end(err);
+    }
+    const open = new ServerStream(res);
+    stream = open;
+    open.send({ start: {} });
+    const keepalive = setInterval(() => open.send({ keepalive: {} }), 30_000);
+    keepalive.unref();
+    res.on('close', () => {
+      clearInterval(keepalive);
+      sb.watches--;
+      void close?.();
+    });
   }
 
   private proc(sb: Sandbox, msg: Record<string, unknown>): Proc {
