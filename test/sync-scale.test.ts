@@ -160,27 +160,27 @@ describe('workspace sync: names as bytes, typed errors, scale (real agent proces
 });
 
 describe('sync.changes is bounded by progress, not by a total deadline', () => {
-  // Deadlines at 1% of their size: sync.changes' idle limit is 200 ms here.
-  const deadlines = { scale: 0.01 };
+  // Deadlines at a tenth of their size: sync.changes' idle limit is 2 s here.
+  const deadlines = { scale: 0.1 };
 
-  it('a slow consumer on the broker side is not a stuck guest; a stopped guest is, with a typed error', async () => {
+  it('a slow consumer on the broker side is not a stuck guest; a stopped guest is, with a typed error', { timeout: 120_000 }, async () => {
     const agent = await startAgent({ client: { deadlines, deadAfterMs: 60_000 } });
     try {
       const { marker } = await agent.client.call('sync.mark', {});
-      for (let i = 0; i < 3000; i++) writeFileSync(join(agent.root, `f${i}.txt`), Buffer.alloc(300, 97));
+      for (let i = 0; i < 1500; i++) writeFileSync(join(agent.root, `f${i}.txt`), Buffer.alloc(300, 97));
       // Staging on the host may take longer than the idle limit per batch: that time is the broker's.
       let batches = 0;
       const r = await agent.client.syncChanges({ since: marker }, async () => {
         batches++;
-        await new Promise((res) => setTimeout(res, 400));
+        await new Promise((res) => setTimeout(res, 2500));
       });
       expect(batches).toBeGreaterThan(1);
-      expect(r.changes).toBe(3000);
-      expect(r.entries).toBe(3000);
+      expect(r.changes).toBe(1500);
+      expect(r.entries).toBe(1500);
 
       // A guest that stops mid-stream (SIGSTOP) is unresponsive: a typed error, not a hang.
       const m2 = await agent.client.call('sync.mark', {});
-      for (let i = 0; i < 3000; i++) writeFileSync(join(agent.root, `g${i}.txt`), Buffer.alloc(300, 98));
+      for (let i = 0; i < 1500; i++) writeFileSync(join(agent.root, `g${i}.txt`), Buffer.alloc(300, 98));
       let stopped = false;
       const failed = await agent.client
         .syncChanges({ since: m2.marker }, () => {
