@@ -126,7 +126,7 @@ export class QemuBackend implements VmBackend {
       const resumed = opts.coldBoot ? undefined : resumeGuest(agent, spec.quota).finally(() => phase('resume'));
       resumed?.catch(() => undefined);
       const hostWs = new Workspace(spec.workspaceDir);
-      const mirror = new WorkspaceMirror(hostWs, new WorkspaceSync(hostWs));
+      const mirror = new WorkspaceMirror(hostWs, new WorkspaceSync(hostWs), { stateDir: spec.stateDir });
       // From a slot the guest already holds the workspace as it was: push only the difference.
       if (from) mirror.guestView = manifestFromJson(readFileSync(from.manifest, 'utf8'));
       const pushed = await mirror.push(agent);
