@@ -275,7 +275,10 @@ class QemuSandbox implements Sandbox {
 
   async state(): Promise<GuestState> {
     const st = await this.guard(() => this.agent.call('agent.state', { maxPaths: 50 }));
-    return { dirty: st.dirty, dirtyPaths: st.dirtyPaths, processes: st.processes };
+    // Workspace entries the host could not take (a FIFO, a file over the limit) live only in
+    // the guest: killing it would lose them, so they count as state to keep, like a ~/.gitconfig.
+    const unpulled = [...this.mirror.unpulled].slice(0, 50).map((p) => `work/${p}`);
+    return { dirty: st.dirty || unpulled.length > 0, dirtyPaths: [...st.dirtyPaths, ...unpulled], processes: st.processes };
   }
 
   homeChanges(): string[] {
