@@ -152,6 +152,20 @@ describe('the e2b SDK against hutch', () => {
     await fetch(`${base}/e2b/api/sandboxes/${made.sandboxID}`, { method: 'DELETE', headers: { 'X-API-KEY': b.token } });
   });
 
+  it('stdin: SendInput and CloseStdin reach a background command started with stdin', async () => {
+    const sbx = await Sandbox.create(opts(b.token));
+    const h = await sbx.commands.run('tr a-z A-Z', { background: true, stdin: true });
+    await sbx.commands.sendStdin(h.pid, 'hello ');
+    await sbx.commands.sendStdin(h.pid, 'stdin\n');
+    await sbx.commands.closeStdin(h.pid);
+    expect((await h.wait()).stdout).toBe('HELLO STDIN\n');
+    // Without stdin: true there is no stdin to send to.
+    const no = await startedInBackground(sbx, 'echo up; sleep 60');
+    await expect(sbx.commands.sendStdin(no.pid, 'x')).rejects.toThrow(/without stdin/);
+    await no.kill();
+    await sbx.kill();
+  });
+
   it('pause releases the sandbox, getInfo says paused, connect resumes it with its files', async () => {
     const sbx = await Sandbox.create(opts(b.token));
     await sbx.files.write('/work/kept.txt', 'kept\n');
@@ -212,6 +226,16 @@ describe('pause and connect with a real VM', { tags: ['vm'] }, () => {
     await sbx.files.write('/work/kept.txt', 'kept\n');
     const set = await sbx.commands.run('git config --global user.email dev@example.com && git config --global user.email', { timeoutMs: 600_000 });
     expect(set.stdout).toBe('dev@example.com\n');
+    // A background command fed by SendInput while it runs (streamed into the VM), then killed.
+    const seen: string[] = [];
+    let echoed!: () => void;
+    const gotLine = new Promise<void>((r) => (echoed = r));
+    const h = await sbx.commands.run('cat', { background: true, stdin: true, timeoutMs: 600_000, onStdout: (d) => (seen.push(d), echoed()) });
+    await sbx.commands.sendStdin(h.pid, 'line one\n');
+    await gotLine;
+    expect(seen.join('')).toBe('line one\n');
+    expect(await h.kill()).toBe(true);
+    await expect(h.wait()).rejects.toBeInstanceOf(CommandExitError);
     expect(await sbx.pause()).toBe(true);
     const metrics = await (await fetch(`${qbase}/metrics`, { headers: { authorization: `Bearer ${q.token}` } })).text();
     expect(metrics).toMatch(/hutch_releases_total\{decision="snapshot"\} [1-9]/);

@@ -72,6 +72,43 @@ interface Proc {
   abort: AbortController;
   /** The streams receiving its events: Start's and any Connect's (each leaves when its client goes). */
   watchers: Set<ServerStream>;
+  /** Its stdin, when Start asked for one (SendInput writes, CloseStdin ends it). */
+  stdin: InputQueue | undefined;
+}
+
+/** Bytes sent with SendInput that the command has not read yet; more is refused. */
+const MAX_PENDING_STDIN_BYTES = 16 * 1024 * 1024;
+
+/** A command's stdin as an async iterable: SendInput pushes, CloseStdin (or the command's end) ends it. */
+class InputQueue implements AsyncIterable<Uint8Array> {
+  private chunks: Uint8Array[] = [];
+  private pending = 0;
+  private ended = false;
+  private wake: (() => void) | undefined;
+
+  push(c: Uint8Array): void {
+    if (this.ended) throw new ConnectError('failed_precondition', 'stdin is closed');
+    if (this.pending + c.length > MAX_PENDING_STDIN_BYTES) throw new ConnectError('resource_exhausted', `more than ${MAX_PENDING_STDIN_BYTES} bytes of stdin not yet read`);
+    this.chunks.push(c);
+    this.pending += c.length;
+    this.wake?.();
+  }
+
+  end(): void {
+    this.ended = true;
+    this.wake?.();
+  }
+
+  async *[Symbol.asyncIterator](): AsyncIterator<Uint8Array> {
+    for (;;) {
+      const c = this.chunks.shift();
+      if (c) {
+        this.pending -= c.length;
+        yield c;
+      } else if (this.ended) return;
+      else await new Promise<void>((r) => (this.wake = r));
+    }
+  }
 }
 
 class ApiError extends Error {
@@ -439,6 +476,19 @@ export class E2bEndpoint {
         return {
           processes: [...sb.procs.entries()].map(([pid, p]) => ({ pid, config: { cmd: p.cmd, args: p.args, envs: p.envs, ...(p.cwd ? { cwd: p.cwd } : {}) }, ...(p.tag ? { tag: p.tag } : {}) })),
         };
+      case 'process.Process/SendInput': {
+        const p = this.proc(sb, msg);
+        const data = (msg['input'] as { stdin?: unknown } | undefined)?.stdin;
+        if (!p.stdin) throw new ConnectError('failed_precondition', 'the process was started without stdin (start it with stdin: true)');
+        if (typeof data !== 'string') throw new ConnectError('invalid_argument', 'input.stdin (base64) is required; pty input is not supported');
+        p.stdin.push(Buffer.from(data, 'base64'));
+        return {};
+      }
+      case 'process.Process/CloseStdin': {
+        const p = this.proc(sb, msg);
+        p.stdin?.end();
+        return {};
+      }
       case 'process.Process/SendSignal': {
         const p = this.proc(sb, msg);
         const sig = msg['signal'] === 'SIGNAL_SIGTERM' || msg['signal'] === 15 ? 'SIGTERM' : 'SIGKILL';
@@ -647,7 +697,7 @@ export class E2bEndpoint {
     const dir = cwd === undefined || cwd === mp || cwd === `${mp}/` ? undefined : cwd.startsWith(`${mp}/`) ? cwd.slice(mp.length + 1) : cwd;
     const command = dir ? `cd ${shellQuote(dir)} && ${script}` : script;
     const pid = this.nextPid++;
-    const proc: Proc = { cmd: cfg.cmd, args, envs, cwd, tag: typeof msg['tag'] === 'string' ? msg['tag'] : undefined, signal: undefined, abort: new AbortController(), watchers: new Set() };
+    const proc: Proc = { cmd: cfg.cmd, args, envs, cwd, tag: typeof msg['tag'] === 'string' ? msg['tag'] : undefined, signal: undefined, abort: new AbortController(), watchers: new Set(), stdin: msg['stdin'] === true ? new InputQueue() : undefined };
     sb.procs.set(pid, proc);
     // As in envd, the client going away does not end the command (the SDK's disconnect(), then
     // commands.connect(pid)); it runs to its end, its timeout or a SendSignal.
@@ -665,6 +715,7 @@ export class E2bEndpoint {
         {
           signal: proc.abort.signal,
           onSignalable: (send) => (proc.signal = send),
+          ...(proc.stdin ? { stdin: proc.stdin } : {}),
           onStdout: (c) => fan({ event: { data: { stdout: Buffer.from(c).toString('base64') } } }),
           onStderr: (c) => fan({ event: { data: { stderr: Buffer.from(c).toString('base64') } } }),
         },
@@ -678,6 +729,7 @@ export class E2bEndpoint {
       for (const w of proc.watchers) w.end(err);
     } finally {
       clearInterval(keepalive);
+      proc.stdin?.end();
       sb.procs.delete(pid);
     }
   }

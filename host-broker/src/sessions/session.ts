@@ -35,6 +35,8 @@ export interface CallSinks {
   signal?: AbortSignal;
   /** Receives, once the command runs, the function that sends it a signal (the harness `signal` op). */
   onSignalable?: (send: (sig: SignalName) => Promise<boolean>) => void;
+  /** bash: stdin streamed while the command runs (E2B's SendInput); only the VM (or local agent) takes a stream. */
+  stdin?: AsyncIterable<Uint8Array>;
 }
 
 export type SignalName = z.infer<typeof SignalSchema>;
@@ -230,7 +232,9 @@ export class Session {
   }
   private async bash(a: ReturnType<typeof parseToolArgs<'bash'>>, sinks: CallSinks, routed: { route?: Route }): Promise<Dispatched> {
     // A caller can force only the safer route: `fastpath` still goes through the router (router/index.ts routeCall).
-    const decision = this.deps.policy.routing
+    const decision = sinks.stdin
+      ? { route: 'vm' as const, reason: 'stdin is streamed: only the VM takes a stream' }
+      : this.deps.policy.routing
       ? routeCall({ command: a.command, env: a.env, forced: a.route, homeChanged: this.vm.homeChanges(), gitHazard: (o) => gitConfigHazard(this.workspaceDir, o) })
       : { route: 'vm' as const, reason: 'routing off: every call runs in the VM' };
     routed.route = decision.route;
@@ -281,7 +285,7 @@ export class Session {
           this.vm.hostChanges.markAll();
         }
       } else {
-        const out = await this.vm.vmCall((sb, changes) => sb.exec(bounded, changes));
+        const out = await this.vm.vmCall((sb, changes) => sb.exec(sinks.stdin ? { ...bounded, stdin: sinks.stdin } : bounded, changes));
         r = out.value;
         wake = out.wake;
         queuedMs = out.queuedMs;
