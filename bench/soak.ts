@@ -236,11 +236,19 @@ async function inject(fault: Fault, id: string): Promise<void> {
   }
 }
 
-function fillDisk(): string {
+/** Fills the data dir's disk to its last 256 KiB (the space left moves while VMs write: retry a little smaller). */
+function fillDisk(): string | undefined {
   const filler = join(dataDir, 'filler.bin');
-  const free = Number(execFileSync('df', ['--output=avail', '-B1', dataDir], { encoding: 'utf8' }).split('\n')[1]);
-  execFileSync('fallocate', ['-l', String(Math.max(0, free - 256 * 1024)), filler]);
-  return filler;
+  for (let slack = 256 * 1024; slack <= 64 * 1024 * 1024; slack *= 4) {
+    const free = Number(execFileSync('df', ['--output=avail', '-B1', dataDir], { encoding: 'utf8' }).split('\n')[1]);
+    try {
+      execFileSync('fallocate', ['-l', String(Math.max(4096, free - slack)), filler], { stdio: 'ignore' });
+      return filler;
+    } catch {
+      rmSync(filler, { force: true });
+    }
+  }
+  return undefined;
 }
 
 const rows: Array<Record<string, string | number>> = [];
@@ -280,8 +288,10 @@ for (let cycle = 0; cycle < CYCLES; cycle++) {
     let filler: string | undefined;
     if (fault === 'disk-full') {
       filler = fillDisk();
-      counts.faults_injected++;
-      faultsByKind[fault] = (faultsByKind[fault] ?? 0) + 1;
+      if (filler) {
+        counts.faults_injected++;
+        faultsByKind[fault] = (faultsByKind[fault] ?? 0) + 1;
+      } else progress(`cycle ${cycle}: could not fill the data dir's disk; this call runs without the fault`);
     }
     counts.calls++;
     const before = s.model;

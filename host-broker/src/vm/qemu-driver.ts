@@ -128,6 +128,9 @@ export class QemuDriver implements VmmDriver {
   private async loadSnapshot(qmp: QmpClient, snap: SnapshotFiles): Promise<void> {
     await qmp.execute('migrate-set-capabilities', { capabilities: MIGRATION_CAPS });
     const done = qmp.waitEvent('MIGRATION', (d) => d['status'] === 'completed' || d['status'] === 'failed', 120_000);
+    // Observed now: if the command below fails, nobody awaits `done`, and its timeout must
+    // not become an unhandled rejection that takes the broker down.
+    done.catch(() => undefined);
     await qmp.execute('migrate-incoming', { uri: `exec:cat ${shellQuote(snap.state)}` });
     const ev = await done;
     if (ev['status'] !== 'completed') throw new HutchError('internal', `incoming migration ${String(ev['status'])}`);
@@ -260,6 +263,7 @@ class QemuVm implements Vm {
     await this.qmp.execute('stop');
     await this.qmp.execute('migrate-set-capabilities', { capabilities: MIGRATION_CAPS });
     const done = this.qmp.waitEvent('MIGRATION', (d) => d['status'] === 'completed' || d['status'] === 'failed', 120_000);
+    done.catch(() => undefined); // see loadSnapshot
     await this.qmp.execute('migrate', { uri: `exec:cat > ${shellQuote(stateFile)}` });
     const ev = await done;
     if (ev['status'] !== 'completed') throw new HutchError('internal', `snapshot migration ${String(ev['status'])}`, { vm: this.spec.id });
