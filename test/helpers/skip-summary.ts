@@ -11,7 +11,10 @@ export class SkipSummary implements Reporter {
   /** "SKIPPING ...: reason" lines, by the task that logged them (a file logs as its module). */
   private readonly notes: Array<{ taskId: string | undefined; line: string; reason: string }> = [];
 
-  constructor(private readonly vmReason: string | undefined) {}
+  constructor(
+    private readonly vmReason: string | undefined,
+    private readonly scaleReason?: string | undefined,
+  ) {}
 
   onUserConsoleLog(log: UserConsoleLog): void {
     const line = log.content.trim();
@@ -29,7 +32,11 @@ export class SkipSummary implements Reporter {
         const r = t.result();
         if (r.state !== 'skipped') continue;
         const reason =
-          this.vmReason && t.tags.includes('vm') ? `needs a microVM: ${this.vmReason}` : (r.note ?? fileNote ?? 'skipped in the test file (describe.skip / skipIf) or filtered out (-t, .only)');
+          this.vmReason && t.tags.includes('vm')
+            ? `needs a microVM: ${this.vmReason}`
+            : this.scaleReason && t.tags.includes('scale')
+              ? `a scale test: ${this.scaleReason}`
+              : (r.note ?? fileNote ?? 'skipped in the test file (describe.skip / skipIf) or filtered out (-t, .only)');
         const e = byReason.get(reason) ?? { tests: 0, files: new Set<string>() };
         e.tests++;
         e.files.add(file);

@@ -18,3 +18,11 @@ export function vmSkipReason(env: NodeJS.ProcessEnv = process.env): string | und
   }
   return undefined;
 }
+
+/**
+ * Why `scale`-tagged tests (a 100,000-file change set: minutes on two cores) are left out,
+ * or undefined: `npm test` runs them, `npm run test:host` (HUTCH_SKIP_SCALE=1) does not.
+ */
+export function scaleSkipReason(env: NodeJS.ProcessEnv = process.env): string | undefined {
+  return env['HUTCH_SKIP_SCALE'] === '1' ? 'HUTCH_SKIP_SCALE=1 (quick host tier: scale tests run in npm test)' : undefined;
+}
