@@ -78,7 +78,7 @@ for (let i = 0; i < 3; i++) {
 progress(`bare restores (ms): ${bareRestore.map((x) => x.toFixed(0)).join(' ')}`);
 // Wakes from the pristine snapshot, with a real project pushed each time.
 const project = join(dataDir, 'project');
-prepareWorkspace('salesreport', project);
+prepareWorkspace('invoicer', project);
 const sb = await hutch.create({ workspace: { dir: project } });
 const wakes: number[] = [];
 /** Per wake: ms from its start to the end of each phase (restore, channel, push, resume, mark). */
@@ -160,7 +160,7 @@ const summary = {
   wake_phases_ms: phaseMedians(phaseSamples),
 };
 emit(
-  `lifecycle: wake, release, slot restore through the broker (${backend.accel}; project salesreport)`,
+  `lifecycle: wake, release, slot restore through the broker (${backend.accel}; project invoicer)`,
   markdownTable([
     { measure: 'wake p50 / bare restore', value: summary.wake_over_restore, aim: '<= 2' },
     { measure: 'wake p50 ms (restore + resume + push)', value: summary.wake_p50_ms, aim: '' },
