@@ -2,6 +2,7 @@ import type { ExecResult } from '../../../guest-agent/src/protocol/methods.ts';
 import type { TelemetrySample } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 import type { AgentClient, ExecRequest } from '../agent-client.ts';
 import type { HostChanges } from '../sync/host-changes.ts';
+import type { PullError } from '../sync/pull-journal.ts';
 
 /**
  * Where calls the router sends to "the VM" run. A backend makes sandboxes; a sandbox is
@@ -63,12 +64,7 @@ export interface SandboxExecRequest extends Omit<ExecRequest, 'cwd'> {
 }
 
 /** Something of a call's workspace changes the sync could not bring to the host (typed, never dropped silently). */
-export interface SyncError {
-  /** Workspace-relative, as the API shows paths (surrogateescape for bytes that are not UTF-8). */
-  path: string;
-  code: string;
-  message: string;
-}
+export type SyncError = PullError;
 
 export interface SyncedExecResult extends ExecResult {
   pushedBytes: number;
