@@ -28,6 +28,9 @@ export interface RunResult {
 
 export type OutputSink = (chunk: Buffer) => void | Promise<void>;
 
+/** How long a killed group is swept (SIGKILL repeated until it is empty). */
+const SWEEP_MS = 5_000;
+
 export interface RunOptions {
   argv: string[];
   cwd: string;
@@ -100,15 +103,31 @@ export function runProcess(opts: RunOptions): RunningProcess {
       return false;
     }
   };
+  /**
+   * SIGKILLs the group until it is empty. One kill(-pgid) can miss a child forked while the
+   * kernel walks the group (a fork bomb always has some), and the survivors go on forking in
+   * the same group; so the kill repeats until the group is gone, for a bounded time.
+   */
+  let sweeping = false;
+  const sweepGroup = () => {
+    if (sweeping || pid === undefined) return;
+    sweeping = true;
+    const until = Date.now() + SWEEP_MS;
+    const step = () => {
+      if (!killGroup('SIGKILL') || Date.now() > until) return;
+      setTimeout(step, 10).unref();
+    };
+    step();
+  };
   const terminate = (graceful: boolean) => {
     opts.onKill?.();
     if (graceful) {
       killGroup('SIGTERM');
       killTimer = setTimeout(() => {
-        killGroup('SIGKILL');
+        sweepGroup();
         opts.onKill?.();
       }, opts.killGraceMs ?? 250);
-    } else killGroup('SIGKILL');
+    } else sweepGroup();
   };
 
   const timeout =
@@ -138,8 +157,8 @@ export function runProcess(opts: RunOptions): RunningProcess {
       else reject(new HutchError('internal', `process error: ${e.message}`, { argv0: file }));
     });
     child.once('exit', (code, signal) => {
-      if (opts.killGroupOnExit) {
-        killGroup('SIGKILL');
+      if (opts.killGroupOnExit || timedOut || cancelled) {
+        sweepGroup();
         opts.onKill?.();
       }
       // The main process is gone; give its pipes a moment to drain, then stop waiting for
