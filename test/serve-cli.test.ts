@@ -21,7 +21,9 @@ afterAll(() => {
 });
 
 function startServe(cmd: string, args: string[], cache: string) {
-  const p = spawn(cmd, args, { cwd: repo, env: { ...process.env, HUTCH_CACHE: cache }, stdio: ['ignore', 'pipe', 'pipe'] });
+  // Its own process group: `./hutch serve` runs the broker under npx and tsx, which do not
+  // pass a signal on; the whole group is signalled so no broker outlives the test.
+  const p = spawn(cmd, args, { cwd: repo, env: { ...process.env, HUTCH_CACHE: cache }, stdio: ['ignore', 'pipe', 'pipe'], detached: true });
   let stdout = '';
   let stderr = '';
   p.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
@@ -37,6 +39,16 @@ function startServe(cmd: string, args: string[], cache: string) {
   // Not every caller waits for a line (the --no-build case expects none).
   firstLine.catch(() => undefined);
   return { p, exited, firstLine, out: () => ({ stdout, stderr }) };
+}
+
+/** SIGTERM to the child's whole process group (see startServe). */
+function stopGroup(p: { pid?: number | undefined; kill(sig: NodeJS.Signals): boolean }): void {
+  try {
+    if (p.pid !== undefined) process.kill(-p.pid, 'SIGTERM');
+    else p.kill('SIGTERM');
+  } catch {
+    p.kill('SIGTERM');
+  }
 }
 
 /** What the guest image builders would have left in the cache. */
@@ -60,7 +72,7 @@ describe('hutch serve for a supervisor', () => {
       await sb.close();
       hutch.close();
     } finally {
-      s.p.kill('SIGTERM');
+      stopGroup(s.p);
       await s.exited;
     }
     expect(builtArtifacts(cache)).toEqual([]);
@@ -89,7 +101,7 @@ describe('hutch serve for a supervisor', () => {
       expect(Array.isArray(await hutch.sessions())).toBe(true);
       hutch.close();
     } finally {
-      p.kill('SIGTERM');
+      stopGroup(p);
       if (p.exitCode === null) await new Promise((r) => p.once('exit', r));
     }
   }, 120_000);

@@ -151,4 +151,6 @@ export interface VmBackend {
   start(spec: SandboxSpec, opts?: StartOptions): Promise<{ sandbox: Sandbox; wake: WakeInfo }>;
   /** Stops every sandbox and removes what the backend left on disk. */
   shutdown(): Promise<void>;
+  /** Drops whatever a start of this session that will not be waited for had begun (its VM process, its run dir). */
+  abandon?(spec: SandboxSpec): Promise<void>;
 }

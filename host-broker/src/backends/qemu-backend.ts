@@ -1,4 +1,4 @@
-import { mkdirSync, readFileSync, writeFileSync, statSync, utimesSync } from 'node:fs';
+import { mkdirSync, readFileSync, rmSync, writeFileSync, statSync, utimesSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
@@ -19,7 +19,7 @@ import { connectAgent, detachAgent, resumeGuest } from '../vm/agent-channel.ts';
 import { KVM_DEADLINES, TCG_DEADLINES, type DeadlinePolicy } from '../deadlines.ts';
 import { ensureGuestImage, type KernelChoice, type ResolvedGuestImage } from '../vm/guest-image.ts';
 import { cleanupOrphans } from '../vm/orphans.ts';
-import { QemuDriver } from '../vm/qemu-driver.ts';
+import { QemuDriver, qemuPids } from '../vm/qemu-driver.ts';
 import { SnapshotStore } from '../vm/snapshot-store.ts';
 import type { Accel, Vm } from '../vm/vmm.ts';
 import type { GuestState, PrefetchInfo, ReclaimInfo, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
@@ -153,6 +153,18 @@ export class QemuBackend implements VmBackend {
       }
       throw err;
     }
+  }
+
+  async abandon(spec: SandboxSpec): Promise<void> {
+    const dir = join(this.runRoot, spec.session);
+    for (const pid of qemuPids(dir)) {
+      try {
+        process.kill(pid, 'SIGKILL');
+      } catch {
+        // gone
+      }
+    }
+    rmSync(dir, { recursive: true, force: true });
   }
 
   async shutdown(): Promise<void> {

@@ -4,7 +4,7 @@ import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { TelemetrySample } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import type { Admission } from '../admission.ts';
-import type { Sandbox, SandboxSpec, SlotRef, VmBackend, WakeInfo } from '../backends/backend.ts';
+import type { Sandbox, SandboxSpec, SlotRef, StartOptions, VmBackend, WakeInfo } from '../backends/backend.ts';
 import type { BrokerMetrics } from '../metrics.ts';
 import type { SandboxPolicy } from '../policy/sandbox-policy.ts';
 import { chooseRelease, type ReleaseDecision } from './release-policy.ts';
@@ -230,13 +230,34 @@ export class SandboxLifecycle {
     const candidates: SlotRef[] = [this.slots.current(), this.slots.previous()].filter((s) => s !== undefined);
     for (const slot of candidates) {
       try {
-        return await this.backend.start(this.spec, { from: slot });
+        return await this.startWithin({ from: slot });
       } catch (err) {
         this.log.error('vm.slot_restore_failed', { slot: slot?.dir, error: (err as Error).message });
       }
     }
     if (candidates.length) this.log.error('vm.slot_state_lost', { session: this.spec.session, note: 'no snapshot slot restored; starting from the pristine snapshot (changes outside /work and /tmp are lost)' });
-    return this.backend.start(this.spec, { coldBoot: this.opts.policy.wake === 'cold-boot' });
+    return this.startWithin({ coldBoot: this.opts.policy.wake === 'cold-boot' });
+  }
+
+  /**
+   * A wake with a deadline of its own, over and above the deadlines of its steps: whatever
+   * a backend waits on, the call gets an answer. A start that finishes after its deadline is
+   * stopped at once, and the backend is told to drop what it had begun (the VM's process).
+   */
+  private async startWithin(opts: StartOptions): Promise<{ sandbox: Sandbox; wake: WakeInfo }> {
+    const limit = opts.coldBoot ? COLD_BOOT_DEADLINE_MS : WAKE_DEADLINE_MS;
+    const started = this.backend.start(this.spec, opts);
+    let timer: NodeJS.Timeout | undefined;
+    const expired = new Promise<undefined>((resolve) => {
+      timer = setTimeout(() => resolve(undefined), limit);
+      timer.unref();
+    });
+    const r = await Promise.race([started.then((v) => ({ v })), expired]).finally(() => clearTimeout(timer));
+    if (r) return r.v;
+    started.then((late) => late.sandbox.close(), () => undefined).catch(() => undefined);
+    await this.backend.abandon?.(this.spec).catch(() => undefined);
+    this.log.error('vm.wake_deadline', { session: this.spec.session, limitMs: limit, from: opts.from ? 'slot' : opts.coldBoot ? 'cold boot' : 'pristine' });
+    throw new HutchError('guest_unresponsive', `waking the VM of session ${this.spec.session} took longer than ${limit} ms; it was stopped, the host workspace is unchanged`, { session: this.spec.session, limitMs: limit });
   }
 
   private async releaseLocked(why: string): Promise<ReleaseRecord | undefined> {
@@ -334,6 +355,9 @@ export class SandboxLifecycle {
   }
 }
 
+/** A wake's own deadline: restores take seconds (minutes on a loaded TCG host), cold boots longer. */
+const WAKE_DEADLINE_MS = 300_000;
+const COLD_BOOT_DEADLINE_MS = 900_000;
 /** How long close() lets a call in flight finish before stopping its VM under it. */
 const CLOSE_GRACE_MS = 5_000;
 /** How long a shutdown release (a snapshot into a slot) may take before the VM is just stopped. */
