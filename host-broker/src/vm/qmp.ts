@@ -39,7 +39,29 @@ export class QmpClient extends EventEmitter {
     });
     const c = new QmpClient(sock);
     // The greeting arrives first and answers no command; capabilities negotiation follows.
-    await new Promise<void>((resolve) => c.once('greeting', resolve));
+    // Bounded and ended by a close: QEMU serves one monitor client at a time, and a socket
+    // that was accepted and then closed without a greeting used to leave this await pending
+    // forever with nothing left to time it out (a restarted broker's wake hung on it).
+    try {
+      await new Promise<void>((resolve, reject) => {
+        const t = setTimeout(() => done(new HutchError('timeout', `QMP at ${path} sent no greeting in ${timeoutMs} ms`)), timeoutMs);
+        const onClose = () => done(new HutchError('unavailable', `QMP at ${path} closed before its greeting`));
+        const onGreeting = () => done();
+        const done = (err?: HutchError) => {
+          clearTimeout(t);
+          c.off('close', onClose);
+          c.off('greeting', onGreeting);
+          if (err) reject(err);
+          else resolve();
+        };
+        c.once('greeting', onGreeting);
+        c.once('close', onClose);
+        if (c.closed) onClose();
+      });
+    } catch (err) {
+      c.close();
+      throw err;
+    }
     await c.execute('qmp_capabilities');
     return c;
   }
@@ -85,9 +107,18 @@ export class QmpClient extends EventEmitter {
         if (ev !== name || !match(data)) return;
         clearTimeout(t);
         this.off('event', on);
+        this.off('close', onClose);
         resolve(data);
       };
+      // A QEMU that dies sends no more events: fail now, not at the timeout.
+      const onClose = () => {
+        clearTimeout(t);
+        this.off('event', on);
+        reject(new HutchError('guest_crashed', `QMP connection closed while waiting for ${name}`));
+      };
       this.on('event', on);
+      if (this.closed) onClose();
+      else this.once('close', onClose);
     });
   }
 
