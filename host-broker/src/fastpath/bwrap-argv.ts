@@ -19,7 +19,7 @@ export interface HostLayout {
   /** Top-level system dirs that are real directories on this host (non-merged /usr). */
   binds: string[];
   /** /proc entries this kernel has, by how they are covered (see PROC_*). */
-  proc: { readOnly: string[]; maskFiles: string[]; maskDirs: string[] };
+  proc: { readOnly: string[]; maskFiles: string[]; maskDirs: string[]; exposed: string[] };
 }
 
 const SYSTEM_DIRS = ['/bin', '/sbin', '/lib', '/lib64', '/lib32', '/libx32'];
@@ -40,8 +40,28 @@ const PROC_MASK_FILES = [
 ];
 const PROC_MASK_DIRS = ['/proc/acpi', '/proc/asound', '/proc/scsi'];
 
+/*
+ * A fast-path run gets no procfs, only a read-only tmpfs /proc holding the host's copies of
+ * these pid-independent entries. Why: a procfs shows every process's mount table
+ * (/proc/<pid>/mountinfo, mounts, mountstats), and a bind mount's line there names its
+ * source as a path inside the source file system: the workspace's host path (the data dir,
+ * the session id), the broker's /etc dir; bwrap's own argv (/proc/1/cmdline) repeats them.
+ * Per-pid files cannot be masked by mounts (new pids appear under a mounted procfs), the
+ * bind's root field cannot be hidden short of giving the workspace its own superblock (an
+ * overlay names its dirs in the same line; FUSE costs every read), and seccomp cannot see
+ * paths. What the router admits (ls, cat, sed, grep, find, git, wc, sort, ...) was traced
+ * (strace -e trace=%file): git reads nothing in /proc; ls, sed, find and stat read
+ * /proc/filesystems (libselinux's probe); grep and diff read /proc/self/maps and xargs
+ * /proc/self/fd, each only as an optional probe they do without. Lost: /dev/fd and
+ * /dev/stdin for programs (bash emulates them in its own redirections) and process
+ * substitution, which the router already sends to the VM. Fewer mounts than a masked
+ * procfs, so no slower (bench/fastpath.ts). The sysctls stay readable (read-only, as
+ * before); the other entries are kernel-wide and show no host paths.
+ */
+const PROC_EXPOSED = ['/proc/sys', '/proc/filesystems', '/proc/cpuinfo', '/proc/meminfo', '/proc/version'];
+
 export function probeHostLayout(): HostLayout {
-  const layout: HostLayout = { symlinks: [], binds: [], proc: { readOnly: [], maskFiles: [], maskDirs: [] } };
+  const layout: HostLayout = { symlinks: [], binds: [], proc: { readOnly: [], maskFiles: [], maskDirs: [], exposed: [] } };
   for (const dir of SYSTEM_DIRS) {
     let st;
     try {
@@ -57,6 +77,7 @@ export function probeHostLayout(): HostLayout {
   layout.proc.readOnly = PROC_READ_ONLY.filter((p) => existsSync(p));
   layout.proc.maskFiles = PROC_MASK_FILES.filter((p) => existsSync(p));
   layout.proc.maskDirs = PROC_MASK_DIRS.filter((p) => existsSync(p));
+  layout.proc.exposed = PROC_EXPOSED.filter((p) => existsSync(p));
   return layout;
 }
 
@@ -101,12 +122,22 @@ export function bwrapArgv(s: BwrapSpec): string[] {
   for (const [path, target] of s.layout.symlinks) a.push('--symlink', target, path);
   for (const dir of s.layout.binds) a.push('--ro-bind', dir, dir);
   a.push('--ro-bind', s.etcDir, '/etc');
-  a.push('--proc', '/proc');
   // Read-only binds take the host's entry as source (bwrap resolves sources outside); for
   // /proc/sys that is the same kernel tables, and net.* still follows the reader's netns.
-  for (const p of s.layout.proc.readOnly) a.push('--ro-bind', p, p);
-  for (const p of s.layout.proc.maskFiles) a.push('--ro-bind', '/dev/null', p);
-  for (const p of s.layout.proc.maskDirs) a.push('--ro-bind', s.emptyDir, p);
+  if (s.home === undefined) {
+    // The fast path: no procfs (see PROC_EXPOSED for why and what is lost).
+    a.push('--perms', '0555', '--tmpfs', '/proc');
+    for (const p of s.layout.proc.exposed) a.push('--ro-bind', p, p);
+    a.push('--remount-ro', '/proc');
+  } else {
+    // unsafe-local stands for a VM, where tenants run anything (ps, /dev/fd, process
+    // substitution), so it keeps a real procfs, covered as Docker covers it; its mount
+    // table shows the workspace's and home's host paths (README: what it does not isolate).
+    a.push('--proc', '/proc');
+    for (const p of s.layout.proc.readOnly) a.push('--ro-bind', p, p);
+    for (const p of s.layout.proc.maskFiles) a.push('--ro-bind', '/dev/null', p);
+    for (const p of s.layout.proc.maskDirs) a.push('--ro-bind', s.emptyDir, p);
+  }
   a.push('--dev', '/dev');
   a.push('--size', String(s.tmpBytes), '--tmpfs', '/tmp');
   a.push('--bind', s.workspace, SANDBOX_WORKSPACE, '--chdir', s.cwd);
