@@ -18,6 +18,7 @@ import { Admission, type AdmissionOptions } from './admission.ts';
 import { BrokerMetrics } from './metrics.ts';
 import { availableParallelism, totalmem } from 'node:os';
 import { DEFAULT_POLICY, type SandboxPolicy } from './policy/sandbox-policy.ts';
+import { ClusterMember, drainingError, type ClusterOptions } from './catalog/member.ts';
 
 export interface BrokerOptions {
   port: number;
@@ -47,6 +48,8 @@ export interface BrokerOptions {
   /** Routing, wake and release policy (default: level 4 with the cost model). */
   policy?: Partial<SandboxPolicy>;
   admission?: Partial<AdmissionOptions>;
+  /** Member of a cluster behind gateways: catalog registration with a lease, /load, the gateway credential. */
+  cluster?: ClusterOptions;
 }
 
 /** Host locations an answer must not name: the data dir (as given and resolved) and the cache under HOME. */
@@ -128,6 +131,9 @@ export class Broker {
   private readonly e2b: E2bEndpoint;
   /** The last guest sample per session, from subscriptions: what /metrics reports without asking any guest. */
   private readonly lastSamples = new Map<string, SessionTelemetry>();
+  readonly cluster: ClusterMember | undefined;
+  /** Set by drain(): new work is refused with `unavailable`, calls in flight finish. */
+  private draining = false;
   port = 0;
   metricsPort = 0;
 
@@ -153,6 +159,7 @@ export class Broker {
       { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}) },
     );
     this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log });
+    this.cluster = opts.cluster ? new ClusterMember(opts.cluster, this, this.principals, opts.log) : undefined;
   }
 
   async start(): Promise<number> {
@@ -175,6 +182,7 @@ export class Broker {
       },
       handle: (op, p, ctx) => this.handle(op, p, ctx),
       http: (req, res, principal, authenticated) => {
+        if (this.cluster && ClusterMember.serves(req.url)) return this.cluster.handleHttp(req, res).then(() => true);
         if (req.url === '/healthz') {
           // Liveness only: how many sessions exist is not for anonymous callers.
           res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: true }));
@@ -193,6 +201,7 @@ export class Broker {
       },
     });
     this.port = await this.server.listen();
+    await this.cluster?.register(this.port, this.opts.host);
     if (this.opts.metricsListen) {
       const m = this.opts.metricsListen;
       this.metricsServer = createServer((req: IncomingMessage, res: ServerResponse) => {
@@ -231,7 +240,22 @@ export class Broker {
     return true;
   }
 
+  /**
+   * SIGTERM: deregister (gateways place nothing new here), refuse new work with a typed
+   * `unavailable`, and let calls in flight finish, bounded by `timeoutMs`. stop() then
+   * releases the VMs into their snapshot slots; sessions stay on disk for the next start.
+   */
+  async drain(timeoutMs = 60_000): Promise<void> {
+    this.draining = true;
+    await this.cluster?.deregister();
+    const until = Date.now() + timeoutMs;
+    while ((this.server?.inflight ?? 0) > 0 && Date.now() < until) await new Promise((r) => setTimeout(r, 25));
+    this.opts.log.info('broker.drained', { inflight: this.server?.inflight ?? 0 });
+  }
+
   async stop(): Promise<void> {
+    await this.cluster?.deregister();
+    this.cluster?.close();
     await new Promise<void>((r) => (this.metricsServer ? this.metricsServer.close(() => r()) : r()));
     await this.mcp.close();
     this.e2b.close();
@@ -272,6 +296,7 @@ export class Broker {
 
   /** Every op acts as the connection's principal: sessions of other principals do not exist for it. */
   private async handle(op: OpName, raw: unknown, ctx: OpContext): Promise<unknown> {
+    if (this.draining) throw drainingError(this.cluster?.id);
     const who = ctx.principal;
     switch (op) {
       case 'create': {

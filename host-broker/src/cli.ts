@@ -18,12 +18,15 @@ import { createFastPath } from './tools/fastpath-factory.ts';
 import { LEVEL_NAMES, policyForLevel, type SandboxPolicy } from './policy/sandbox-policy.ts';
 import { MCP_HELP, mcpMain } from './mcp/stdio.ts';
 import { DEFAULT_QUOTA } from './sessions/workspace-quota.ts';
+import { CLUSTER_SERVE_FLAGS, clusterFromFlags, drainMsFromFlags, gatewayMain, GATEWAY_HELP } from './gateway/cli.ts';
+import type { ClusterOptions } from './catalog/member.ts';
 
 const HELP = `hutch: sandboxes for AI agents, packed densely on one host
 
 usage:
   hutch serve [options]     run the broker (WebSocket API for harnesses)
   hutch prepare [options]   build (or find cached) the guest kernel, rootfs and pristine snapshot
+  hutch gateway [options]   one endpoint in front of many brokers (routes by session, places new ones)
   hutch mcp [options]       MCP server on stdio for a local agent (a broker's sandboxes as MCP tools;
                             the broker also serves MCP over Streamable HTTP at /mcp)
 
@@ -61,7 +64,8 @@ serve options:
   --ready-json      print that JSON line on stdout instead of the human-readable line
   -h, --help        this text
 
-${MCP_HELP}`;
+${MCP_HELP}
+${GATEWAY_HELP}`;
 
 export interface ServeOptions {
   port: number;
@@ -84,6 +88,8 @@ export interface ServeOptions {
   noBuild?: boolean;
   /** Workspace quota per session (default 2 GiB and 200,000 entries). */
   quota?: { bytes: number; files: number };
+  /** A broker behind gateways (catalog registration, /load, the gateway credential). */
+  cluster?: ClusterOptions;
 }
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
@@ -115,6 +121,7 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     log: o.log,
     ...(o.policy ? { policy: o.policy } : {}),
     ...(o.quota ? { quota: o.quota } : {}),
+    ...(o.cluster ? { cluster: o.cluster } : {}),
   });
   await broker.start();
   return broker;
@@ -166,6 +173,10 @@ async function main(): Promise<void> {
     await mcpMain(rest, { serve, policyFromFlags });
     return;
   }
+  if (cmd === 'gateway') {
+    await gatewayMain(rest);
+    return;
+  }
   if (cmd !== 'serve') throw new HutchError('bad_request', `unknown command ${cmd} (see hutch --help)`);
   const { values } = parseArgs({
     args: rest,
@@ -192,6 +203,7 @@ async function main(): Promise<void> {
       'ready-fd': { type: 'string' },
       'ready-json': { type: 'boolean', default: false },
       help: { type: 'boolean', short: 'h' },
+      ...CLUSTER_SERVE_FLAGS,
     },
   });
   if (values.help) {
@@ -227,6 +239,7 @@ async function main(): Promise<void> {
       bytes: values['quota-bytes'] !== undefined ? positiveInt('--quota-bytes', values['quota-bytes']) : DEFAULT_QUOTA.bytes,
       files: values['quota-files'] !== undefined ? positiveInt('--quota-files', values['quota-files']) : DEFAULT_QUOTA.files,
     },
+    ...clusterFromFlags(values),
     log,
   });
   // A file's principals are never printed; a generated token must be, or nobody could connect.
@@ -246,6 +259,8 @@ async function main(): Promise<void> {
     if (stopping) return;
     stopping = true;
     log.info('broker.signal', { signal: sig });
+    // Drain first: deregister, refuse new work, let calls in flight finish; stop() then releases VMs to their snapshot slots.
+    await broker.drain(drainMsFromFlags(values));
     await broker.stop();
     process.exit(0);
   };

@@ -52,12 +52,24 @@ export class Principals {
     return new Principals(parseTokens(text, path));
   }
 
-  /** The principal this token belongs to, or undefined. */
-  authenticate(given: string | undefined): string | undefined {
+  /** A gateway's credential (host-broker/src/gateway/credential.ts), when brokers sit behind gateways. */
+  private gateway: { matches(token: string | undefined): boolean } | undefined;
+
+  /** Trust a gateway: a connection presenting its credential acts for the principal it names. */
+  trustGateway(credential: { matches(token: string | undefined): boolean }): void {
+    this.gateway = credential;
+  }
+
+  /**
+   * The principal this token belongs to, or undefined. `onBehalfOf` (the gateway's principal
+   * header) counts only with the gateway credential: a tenant's own token always stays its own.
+   */
+  authenticate(given: string | undefined, onBehalfOf?: string): string | undefined {
     if (given === undefined) return undefined;
     const d = sha256(given);
     let found: string | undefined;
     for (const e of this.entries) if (timingSafeEqual(d, e.digest) && found === undefined) found = e.name;
+    if (found === undefined && onBehalfOf !== undefined && NAME.test(onBehalfOf) && this.gateway?.matches(given)) return onBehalfOf;
     return found;
   }
 

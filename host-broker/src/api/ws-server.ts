@@ -9,6 +9,7 @@ import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/erro
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { ClientMessageSchema, HARNESS_API_VERSION, OPS, type OpName } from './harness-protocol.ts';
 import type { Principals } from './principals.ts';
+import { claimedPrincipal } from '../gateway/credential.ts';
 
 const packr = new Packr({ useRecords: false });
 
@@ -105,7 +106,7 @@ export class WsServer {
       server: this.http,
       maxPayload: this.limits.maxPayloadBytes,
       verifyClient: (info, cb) => {
-        const principal = opts.principals.authenticate(bearer(info.req));
+        const principal = opts.principals.authenticate(bearer(info.req), claimedPrincipal(info.req));
         if (principal === undefined) {
           opts.log.warn('ws.unauthorized', { remote: info.req.socket.remoteAddress });
           cb(false, 401, 'Unauthorized: missing or wrong token');

@@ -1,0 +1,339 @@
+/**
+ * `hutch gateway`: a stateless front for many brokers. It serves the same harness WebSocket
+ * API (the same WsServer: token check, connection caps, back-pressure, frame parsing) and
+ * forwards each request to the broker that owns its session, found in the catalog.
+ *
+ * Routing is by the `session` field of a request's params, whatever the op: an op added to
+ * the protocol later is forwarded without a change here. `create` is placed (sampled load,
+ * template), `sessions` is asked of every live broker; any other op without a session has
+ * no broker to go to and is refused.
+ *
+ * Failure semantics:
+ * - a gateway dies: it held nothing; a client reconnects to another and attaches by id.
+ * - a broker dies: calls to its sessions answer `unavailable` naming it (their workspaces
+ *   lived on that node); new sessions stop going there once its lease has expired.
+ * - a broker drains: it deregisters at once and answers new work with `unavailable`
+ *   (reason `draining`); when it starts again with the same id its sessions answer again.
+ */
+import { randomBytes } from 'node:crypto';
+import { readFileSync } from 'node:fs';
+import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { Counter, Gauge, Registry } from 'prom-client';
+import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import type { Logger } from '../../../guest-agent/src/log.ts';
+import { CreateParams, HARNESS_API_VERSION, type OpName } from '../api/harness-protocol.ts';
+import type { Principals } from '../api/principals.ts';
+import { WsServer, bearer, DEFAULT_WS_LIMITS, type OpContext, type WsLimits } from '../api/ws-server.ts';
+import { loopbackUrl, McpHttpEndpoint } from '../mcp/http.ts';
+import { E2bEndpoint } from '../e2b/endpoint.ts';
+import { Catalog, type BrokerRecord, type SessionEntry } from '../catalog/catalog.ts';
+import { place } from './placement.ts';
+import { Upstream } from './upstream.ts';
+
+export interface GatewayOptions {
+  port: number;
+  host?: string;
+  principals: Principals;
+  /** redis://host:port of the catalog. */
+  catalogUrl: string;
+  catalogPrefix?: string;
+  /** The gateway-to-broker credential. */
+  credential: string;
+  /** Brokers sampled per placement (default 2). */
+  sampleK?: number;
+  log: Logger;
+  limits?: Partial<WsLimits>;
+  /** /metrics without a token on this address (a scrape-only interface). */
+  metricsListen?: { host: string; port: number };
+  /** How long a broker list read from the catalog is reused for routing (default 1000 ms). */
+  brokerCacheMs?: number;
+  /** Deadline for reaching a broker (connect, hello, /load). */
+  brokerTimeoutMs?: number;
+}
+
+const VERSION = (JSON.parse(readFileSync(new URL('../../../package.json', import.meta.url), 'utf8')) as { version: string }).version;
+
+/** An upstream idle this long (no request in flight) is closed. */
+const UPSTREAM_IDLE_MS = 60_000;
+
+/**
+ * The client connection a request came on, where the WebSocket server tells it (streams are
+ * per connection); without it, upstreams are shared per principal.
+ */
+function clientConnection(ctx: OpContext): { id: number; closed: AbortSignal } | undefined {
+  return (ctx as { connection?: { id: number; closed: AbortSignal } }).connection;
+}
+
+export class Gateway {
+  private server: WsServer | undefined;
+  private metricsServer: Server | undefined;
+  private readonly catalog: Catalog;
+  private readonly mcp: McpHttpEndpoint;
+  /**
+   * Upstream connections: one per client connection and broker, so what a broker keys by
+   * connection (a stream id, in-flight and stream limits) means the same behind a gateway.
+   */
+  private readonly upstreams = new Map<string, Promise<Upstream>>();
+  private brokers: { at: number; list: BrokerRecord[] } | undefined;
+  private readonly sweeper: NodeJS.Timeout;
+  readonly registry = new Registry();
+  private readonly requests = new Counter({ name: 'hutch_gateway_requests_total', help: 'Requests forwarded, by op and outcome', labelNames: ['op', 'outcome'], registers: [this.registry] });
+  private readonly placements = new Counter({ name: 'hutch_gateway_placements_total', help: 'Sessions placed, by broker', labelNames: ['broker'], registers: [this.registry] });
+  private readonly upstreamGauge = new Gauge({ name: 'hutch_gateway_upstreams', help: 'Open gateway-to-broker connections', registers: [this.registry] });
+  port = 0;
+  metricsPort = 0;
+
+  constructor(private readonly o: GatewayOptions) {
+    this.catalog = new Catalog(o.catalogUrl, o.catalogPrefix);
+    // MCP over HTTP on the gateway reaches the gateway's own WebSocket API, so its tool calls are routed like any harness's.
+    this.mcp = new McpHttpEndpoint({ brokerUrl: () => loopbackUrl(o.host, this.port), log: o.log });
+    this.sweeper = setInterval(() => this.sweep(), 10_000);
+    this.sweeper.unref();
+  }
+
+  private get timeoutMs(): number {
+    return this.o.brokerTimeoutMs ?? 3000;
+  }
+
+  async start(): Promise<number> {
+    this.server = new WsServer({
+      port: this.o.port,
+      ...(this.o.host ? { host: this.o.host } : {}),
+      principals: this.o.principals,
+      log: this.o.log,
+      ...(this.o.limits ? { limits: this.o.limits } : {}),
+      hello: { backend: 'gateway', versions: { api: HARNESS_API_VERSION, broker: `gateway ${VERSION}`, node: process.versions.node } },
+      handle: (op, p, ctx) => this.handle(op, p, ctx),
+      http: (req, res, principal) => this.onHttp(req, res, principal),
+    });
+    this.port = await this.server.listen();
+    if (this.o.metricsListen) {
+      const m = this.o.metricsListen;
+      this.metricsServer = createServer((req, res) => {
+        if (req.url === '/metrics') void this.serveMetrics(res);
+        else res.writeHead(404, { 'content-type': 'text/plain' }).end('only /metrics here\n');
+      });
+      await new Promise<void>((resolve, reject) => {
+        this.metricsServer?.once('error', reject);
+        this.metricsServer?.listen(m.port, m.host, () => resolve());
+      });
+      this.metricsPort = (this.metricsServer.address() as AddressInfo).port;
+    }
+    this.o.log.info('gateway.listening', { port: this.port, principals: this.o.principals.names });
+    return this.port;
+  }
+
+  async stop(): Promise<void> {
+    clearInterval(this.sweeper);
+    await new Promise<void>((r) => (this.metricsServer ? this.metricsServer.close(() => r()) : r()));
+    await this.mcp.close();
+    await this.server?.close();
+    for (const u of this.upstreams.values()) void u.then((x) => x.close(), () => undefined);
+    this.upstreams.clear();
+    this.catalog.close();
+  }
+
+  private async onHttp(req: IncomingMessage, res: ServerResponse, principal: string | undefined): Promise<boolean> {
+    if (req.url === '/healthz') {
+      res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: true }));
+      return true;
+    }
+    if (McpHttpEndpoint.matches(req.url)) return this.mcp.handle(req, res, principal, bearer(req)).then(() => true);
+    if (E2bEndpoint.matches(req.url)) {
+      // Not forwarded yet: the E2B surface names sandboxes in paths and hosts, which needs an HTTP proxy by sandbox id.
+      res.writeHead(501, { 'content-type': 'text/plain' }).end('the E2B surface is not forwarded by the gateway yet: use a broker directly\n');
+      return true;
+    }
+    if (req.url === '/metrics') {
+      if (principal === undefined) {
+        res.writeHead(401, { 'content-type': 'text/plain', 'www-authenticate': 'Bearer' }).end('unauthorized: /metrics needs a bearer token (or --metrics-port)\n');
+        return true;
+      }
+      return this.serveMetrics(res);
+    }
+    return false;
+  }
+
+  private async serveMetrics(res: ServerResponse): Promise<boolean> {
+    this.upstreamGauge.set(this.upstreams.size);
+    res.writeHead(200, { 'content-type': this.registry.contentType }).end(await this.registry.metrics());
+    return true;
+  }
+
+  private async handle(op: OpName, raw: unknown, ctx: OpContext): Promise<unknown> {
+    const p = raw !== null && typeof raw === 'object' ? (raw as Record<string, unknown>) : {};
+    try {
+      let r: unknown;
+      if (op === 'create') r = await this.create(p, ctx);
+      else if (typeof p['session'] === 'string') r = await this.forwardToSession(p['session'], op, raw, ctx);
+      else if (op === 'sessions') r = await this.listSessions(ctx);
+      else throw new HutchError('bad_request', `op ${op} without a session cannot be routed by the gateway (give a session, or use a broker directly)`, { op });
+      this.requests.inc({ op, outcome: 'ok' });
+      return r;
+    } catch (err) {
+      this.requests.inc({ op, outcome: toHutchError(err).code });
+      throw err;
+    }
+  }
+
+  /** Live brokers, read from the catalog at most every brokerCacheMs (or now, when `fresh`). */
+  private async liveBrokers(fresh = false): Promise<BrokerRecord[]> {
+    const maxAge = this.o.brokerCacheMs ?? 1000;
+    if (!fresh && this.brokers && Date.now() - this.brokers.at < maxAge) return this.brokers.list;
+    const list = await this.catalog.liveBrokers();
+    this.brokers = { at: Date.now(), list };
+    return list;
+  }
+
+  private async brokerFor(entry: SessionEntry, session: string): Promise<BrokerRecord> {
+    let rec = (await this.liveBrokers()).find((b) => b.id === entry.broker);
+    // A broker just (re)started may be newer than our cached list: look again before saying it is gone.
+    rec ??= (await this.liveBrokers(true)).find((b) => b.id === entry.broker);
+    if (!rec) {
+      throw new HutchError('unavailable', `session ${session} lives on broker ${entry.broker}, which is not registered (stopped, draining or its lease expired); its workspace lives on that node`, {
+        session,
+        broker: entry.broker,
+        reason: 'not_registered',
+      });
+    }
+    return rec;
+  }
+
+  private upstream(ctx: OpContext, rec: BrokerRecord): Promise<Upstream> {
+    const conn = clientConnection(ctx);
+    const binary = (ctx as { binary?: boolean }).binary ?? true;
+    const key = `${conn ? `c${conn.id}` : `p${ctx.principal}`}\n${binary ? 'b' : 't'}\n${rec.id}\n${rec.url}`;
+    const have = this.upstreams.get(key);
+    if (have) {
+      return have.then((u) => {
+        if (u.open) return u;
+        if (this.upstreams.get(key) === have) this.upstreams.delete(key);
+        return this.upstream(ctx, rec);
+      });
+    }
+    const opening = Upstream.open({
+      broker: rec.id,
+      url: rec.url,
+      credential: this.o.credential,
+      principal: ctx.principal,
+      binary,
+      timeoutMs: this.timeoutMs,
+      maxPayload: (this.o.limits?.maxPayloadBytes ?? DEFAULT_WS_LIMITS.maxPayloadBytes) * 2,
+    });
+    this.upstreams.set(key, opening);
+    opening.then(
+      (u) => {
+        // The client went away: its upstreams go too (the broker then cancels what it still runs).
+        if (conn?.closed.aborted) u.close();
+        else
+          conn?.closed.addEventListener('abort', () => {
+            if (this.upstreams.get(key) === opening) this.upstreams.delete(key);
+            u.close();
+          });
+      },
+      () => {
+        if (this.upstreams.get(key) === opening) this.upstreams.delete(key);
+      },
+    );
+    return opening;
+  }
+
+  /** Closes upstreams idle for a while, so a gateway does not hold a connection per principal per broker forever. */
+  private sweep(): void {
+    for (const [key, p] of this.upstreams) {
+      void p.then(
+        (u) => {
+          if (!u.open || (u.inflight === 0 && Date.now() - u.lastUsed > UPSTREAM_IDLE_MS)) {
+            if (this.upstreams.get(key) === p) this.upstreams.delete(key);
+            u.close();
+          }
+        },
+        () => undefined,
+      );
+    }
+  }
+
+  /** Forwards one request and relays its streamed output, events and signals. */
+  private async forward(u: Upstream, op: string, raw: unknown, ctx: OpContext): Promise<unknown> {
+    const { id, result } = u.request(op, raw, { out: (fd, d) => ctx.out(fd, d), event: (d) => ctx.event(d) });
+    ctx.onSignal(async (sig) => ((await u.request('signal', { call: id, signal: sig }).result) as { delivered: boolean }).delivered);
+    // SIGKILL, or the client going away, cancels the call on the broker; its answer still comes back through here.
+    const cancel = () => void u.request('signal', { call: id, signal: 'SIGKILL' }).result.catch(() => undefined);
+    if (ctx.signal.aborted) cancel();
+    else ctx.signal.addEventListener('abort', cancel, { once: true });
+    try {
+      return await result;
+    } finally {
+      ctx.signal.removeEventListener('abort', cancel);
+    }
+  }
+
+  private async forwardToSession(session: string, op: string, raw: unknown, ctx: OpContext): Promise<unknown> {
+    const entry = await this.catalog.session(session);
+    // Another principal's session answers exactly like a missing one, as on a broker.
+    if (!entry || entry.principal !== ctx.principal) throw new HutchError('not_found', `no session ${session}`, { session });
+    const rec = await this.brokerFor(entry, session);
+    const u = await this.upstream(ctx, rec).catch((err: unknown) => {
+      throw new HutchError('unavailable', `session ${session} lives on broker ${rec.id}, which cannot be reached: ${(err as Error).message}`, { session, broker: rec.id, reason: 'unreachable' });
+    });
+    const r = await this.forward(u, op, raw, ctx);
+    // The session is gone from its broker: forget the placement (only ours, compare-and-delete).
+    if (op === 'close') await this.catalog.releaseSession(session, entry);
+    return r;
+  }
+
+  private async create(p: Record<string, unknown>, ctx: OpContext): Promise<unknown> {
+    const idCheck = CreateParams.shape.id.safeParse(p['id']);
+    if (!idCheck.success) throw new HutchError('bad_request', `invalid create params: id: ${idCheck.error.issues[0]?.message}`, { op: 'create' });
+    const template = typeof p['template'] === 'string' ? p['template'] : undefined;
+    const memoryMiB = typeof p['memoryMiB'] === 'number' ? p['memoryMiB'] : 512;
+    const placed = await place(await this.liveBrokers(true), {
+      template,
+      memoryMiB,
+      k: this.o.sampleK ?? 2,
+      credential: this.o.credential,
+      timeoutMs: this.timeoutMs,
+    });
+    const session = idCheck.data ?? `s-${randomBytes(6).toString('hex')}`;
+    const entry: SessionEntry = { broker: placed.broker.id, principal: ctx.principal };
+    // First writer wins: two gateways placing one id cannot both succeed.
+    if (!(await this.catalog.claimSession(session, entry))) throw new HutchError('already_exists', `session ${session} already exists`, { session });
+    this.o.log.debug('gateway.placed', { session, broker: placed.broker.id, considered: placed.considered });
+    let u: Upstream;
+    try {
+      u = await this.upstream(ctx, placed.broker);
+    } catch (err) {
+      await this.catalog.releaseSession(session, entry);
+      throw err;
+    }
+    try {
+      const r = await this.forward(u, 'create', { ...p, id: session }, ctx);
+      this.placements.inc({ broker: placed.broker.id });
+      return r;
+    } catch (err) {
+      // The broker answered no: nothing was made there. (A lost connection keeps the claim: the
+      // session may exist, and an id pointing at a broker without it answers not_found, never twice.)
+      const e = toHutchError(err);
+      if (!(e.code === 'unavailable' && e.context?.['reason'] === 'connection_lost')) await this.catalog.releaseSession(session, entry);
+      throw err;
+    }
+  }
+
+  /** Every live broker's list of this principal's sessions; brokers that did not answer are named. */
+  private async listSessions(ctx: OpContext): Promise<{ sessions: unknown[]; unavailable?: string[] }> {
+    const brokers = await this.liveBrokers(true);
+    const answers = await Promise.all(
+      brokers.map(async (b) => {
+        try {
+          const u = await this.upstream(ctx, b);
+          return { b, r: (await this.forward(u, 'sessions', {}, ctx)) as { sessions: unknown[] } };
+        } catch {
+          return { b, r: undefined };
+        }
+      }),
+    );
+    const missing = answers.filter((a) => !a.r).map((a) => a.b.id);
+    return { sessions: answers.flatMap((a) => a.r?.sessions ?? []), ...(missing.length ? { unavailable: missing } : {}) };
+  }
+}

@@ -1,0 +1,209 @@
+/**
+ * Many hosts behind gateways, with real processes: redis-server as the catalog, three
+ * brokers (unsafe-local: file calls are in-process anyway), two gateways. Placement by load,
+ * sticky routing whichever gateway a call enters by, and the failure semantics: a gateway
+ * killed loses nothing, a broker killed answers `unavailable` naming it, a drained broker
+ * finishes its call in flight, deregisters, and gets its sessions back when it restarts.
+ */
+import { existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { Hutch, HutchError } from '../host-broker/src/sdk/index.ts';
+import { clusterSkipReason, startCluster, TENANTS, type Broker, type Cluster, type GatewayProc } from './helpers/cluster.ts';
+
+const skip = clusterSkipReason();
+if (skip) console.log(`SKIPPING test/gateway.test.ts: ${skip}`);
+
+const work = mkdtempSync(join(tmpdir(), 'hutch-gateway-'));
+let cluster: Cluster;
+let b1: Broker, b2: Broker, b3: Broker;
+let g1: GatewayProc, g2: GatewayProc;
+/** Session id -> broker id, as placed through the gateways. */
+const placed = new Map<string, string>();
+
+async function brokerOf(sid: string): Promise<string> {
+  const v = await cluster.catalog.command('GET', `hutch:session:${sid}`);
+  return (JSON.parse(String(v)) as { broker: string }).broker;
+}
+
+async function until(what: string, check: () => Promise<boolean>, maxMs = 30_000): Promise<void> {
+  const end = Date.now() + maxMs;
+  while (!(await check())) {
+    if (Date.now() > end) throw new Error(`waited ${maxMs} ms for ${what}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+async function failure(p: Promise<unknown>): Promise<HutchError> {
+  try {
+    await p;
+  } catch (err) {
+    return err as HutchError;
+  }
+  throw new Error('expected a failure');
+}
+
+describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', () => {
+  beforeAll(async () => {
+    cluster = await startCluster(work);
+    [b1, b2, b3] = await Promise.all([cluster.startBroker('b1', { templates: ['python'] }), cluster.startBroker('b2'), cluster.startBroker('b3', { leaseMs: 60_000 })]);
+    [g1, g2] = await Promise.all([cluster.startGateway(), cluster.startGateway()]);
+  }, 120_000);
+
+  afterAll(async () => {
+    await cluster?.stopAll();
+    rmSync(work, { recursive: true, force: true });
+  }, 60_000);
+
+  it('places 30 sessions made through both gateways by load: a broker already carrying sessions gets fewer', async () => {
+    // Load b1 first, directly: its /load then reports 12 sessions more than the others.
+    const direct = await Hutch.connect(b1.url, { token: TENANTS.alice });
+    for (let i = 0; i < 12; i++) await direct.create({ id: `pre-${i}` });
+    direct.close();
+    const via = [await Hutch.connect(g1.url, { token: TENANTS.alice }), await Hutch.connect(g2.url, { token: TENANTS.alice })];
+    for (let i = 0; i < 30; i++) {
+      const sb = await (via[i % 2] as Hutch).create({ workspace: { files: { 'who.txt': `session ${i}\n` } } });
+      placed.set(sb.id, await brokerOf(sb.id));
+    }
+    for (const h of via) h.close();
+    const count = (b: string) => [...placed.values()].filter((x) => x === b).length;
+    expect(placed.size).toBe(30);
+    expect(count('b2')).toBeGreaterThan(0);
+    expect(count('b3')).toBeGreaterThan(0);
+    expect(count('b1')).toBeLessThan(Math.min(count('b2'), count('b3')));
+    // The catalog says what the brokers hold: each broker lists exactly the sessions placed on it.
+    for (const b of [b1, b2, b3]) {
+      const h = await Hutch.connect(b.url, { token: TENANTS.alice });
+      const ids = (await h.sessions()).map((s) => s.session).filter((s) => !s.startsWith('pre-'));
+      h.close();
+      expect(ids.sort()).toEqual([...placed].filter(([, x]) => x === b.id).map(([s]) => s).sort());
+    }
+  }, 120_000);
+
+  it('every call of a session reaches the broker that owns it, whichever gateway it enters by', async () => {
+    const [a, b] = [await Hutch.connect(g1.url, { token: TENANTS.alice }), await Hutch.connect(g2.url, { token: TENANTS.alice })];
+    for (const [sid, broker] of placed) {
+      const w = await a.attach(sid);
+      await w.files.write('marker.txt', `written via g1 for ${sid}\n`);
+      const r = await (await b.attach(sid)).files.read('marker.txt');
+      expect(r.content).toContain(`written via g1 for ${sid}`);
+      // On disk only on the owning node.
+      for (const node of [b1, b2, b3]) expect(existsSync(join(node.dataDir, 'sessions', sid, 'workspace', 'marker.txt'))).toBe(node.id === broker);
+    }
+    a.close();
+    b.close();
+  }, 120_000);
+
+  it('two gateways creating one id at the same moment place it once (SET NX in the catalog)', async () => {
+    const [a, b] = [await Hutch.connect(g1.url, { token: TENANTS.alice }), await Hutch.connect(g2.url, { token: TENANTS.bob })];
+    for (let i = 0; i < 5; i++) {
+      const id = `race-${i}`;
+      const results = await Promise.allSettled([a.create({ id }), b.create({ id })]);
+      expect(results.filter((r) => r.status === 'fulfilled')).toHaveLength(1);
+      const lost = results.find((r) => r.status === 'rejected') as PromiseRejectedResult;
+      expect((lost.reason as HutchError).code).toBe('already_exists');
+      const owner = await brokerOf(id);
+      // Made on exactly one broker.
+      let holders = 0;
+      for (const node of [b1, b2, b3]) if (existsSync(join(node.dataDir, 'sessions', id))) holders++;
+      expect(holders).toBe(1);
+      expect(existsSync(join(work, `data-${owner}`, 'sessions', id))).toBe(true);
+    }
+    a.close();
+    b.close();
+  }, 60_000);
+
+  it('a create naming a template goes only to a broker advertising it', async () => {
+    const h = await Hutch.connect(g1.url, { token: TENANTS.alice });
+    for (let i = 0; i < 6; i++) {
+      const info = await h.request('create', { template: 'python' });
+      expect(await brokerOf((info as { session: string }).session)).toBe('b1');
+    }
+    const e = await failure(h.request('create', { template: 'no-such-template' }));
+    expect(e.code).toBe('unavailable');
+    expect(e.context?.['template']).toBe('no-such-template');
+    // sessions is asked of every broker: the list through a gateway holds every placed session.
+    const listed = new Set((await h.sessions()).map((x) => x.session));
+    for (const id of placed.keys()) expect(listed.has(id)).toBe(true);
+    h.close();
+  }, 60_000);
+
+  it('a gateway SIGKILLed mid-run loses no session: the client reconnects to the other one', async () => {
+    const h = await Hutch.connect(g1.url, { token: TENANTS.alice });
+    const ids = [...placed.keys()].slice(0, 10);
+    const sbs = await Promise.all(ids.map((id) => h.attach(id)));
+    let stop = false;
+    const loops = sbs.map(async (sb) => {
+      let n = 0;
+      while (!stop) {
+        await sb.files.write('counter.txt', `${++n}\n`);
+        await sb.files.read('counter.txt');
+      }
+    });
+    await new Promise((r) => setTimeout(r, 300));
+    g1.kill('SIGKILL');
+    const settled = await Promise.allSettled(loops);
+    stop = true;
+    // The killed gateway's calls fail as a closed connection, nothing worse.
+    for (const s of settled) expect(s.status === 'rejected' && (s.reason as HutchError).code).toBe('connection_closed');
+    const again = await Hutch.connect(g2.url, { token: TENANTS.alice });
+    for (const id of placed.keys()) {
+      const r = await (await again.attach(id)).files.read('who.txt');
+      expect(r.content).toMatch(/session \d+/);
+    }
+    again.close();
+  }, 120_000);
+
+  it('a broker SIGKILLed: its sessions answer unavailable naming it; new sessions land elsewhere once its lease expired', async () => {
+    b2.kill('SIGKILL');
+    await b2.exited;
+    const h = await Hutch.connect(g2.url, { token: TENANTS.alice });
+    const onB2 = [...placed].filter(([, b]) => b === 'b2').map(([s]) => s);
+    const others = [...placed].filter(([, b]) => b !== 'b2').map(([s]) => s);
+    for (const sid of onB2) {
+      const e = await failure(h.request('call', { session: sid, tool: 'read', args: { filePath: 'who.txt' } }));
+      expect(e.code).toBe('unavailable');
+      expect(e.context?.['broker']).toBe('b2');
+      expect(e.message).toContain('b2');
+    }
+    for (const sid of others.slice(0, 5)) expect((await (await h.attach(sid)).files.read('who.txt')).content).toContain('session');
+    await until('the lease of b2 to expire', async () => (await cluster.catalog.command('EXISTS', 'hutch:broker:b2')) === 0);
+    for (let i = 0; i < 8; i++) {
+      const sb = await h.create();
+      expect(await brokerOf(sb.id)).not.toBe('b2');
+      await sb.close();
+      expect(await cluster.catalog.command('EXISTS', `hutch:session:${sb.id}`)).toBe(0);
+    }
+    h.close();
+  }, 120_000);
+
+  it('a drained broker finishes its call in flight, deregisters, refuses new work, and has its sessions back when it restarts', async () => {
+    const onB3 = [...placed].filter(([, b]) => b === 'b3').map(([s]) => s);
+    expect(onB3.length).toBeGreaterThan(0);
+    const sid = onB3[0] as string;
+    const h = await Hutch.connect(g2.url, { token: TENANTS.alice });
+    const sb = await h.attach(sid);
+    let started!: () => void;
+    const isStarted = new Promise<void>((r) => (started = r));
+    const inflight = sb.run('echo start; sleep 2; echo done', { onStdout: (c) => c.includes('start') && started() });
+    await isStarted;
+    // SIGTERM to the broker process only, as Kubernetes sends it to the container's PID 1.
+    b3.p.kill('SIGTERM');
+    const r = await inflight;
+    expect(r.exitCode).toBe(0);
+    expect(r.stdout).toBe('start\ndone\n');
+    expect(await b3.exited).toBe(0);
+    // Its lease was 60 s: the record is gone because it deregistered, not because it expired.
+    expect(await cluster.catalog.command('EXISTS', 'hutch:broker:b3')).toBe(0);
+    const e = await failure(h.request('call', { session: sid, tool: 'read', args: { filePath: 'who.txt' } }));
+    expect(e.code).toBe('unavailable');
+    expect(e.context?.['broker']).toBe('b3');
+    for (let i = 0; i < 4; i++) expect(await brokerOf((await h.create()).id)).toBe('b1');
+    // Back on the same node (same id, same data dir): its sessions answer again, workspaces intact.
+    b3 = await cluster.startBroker('b3', { dataDir: b3.dataDir });
+    for (const id of onB3) expect((await (await h.attach(id)).files.read('marker.txt')).content).toContain(`written via g1 for ${id}`);
+    expect(readFileSync(join(b3.dataDir, 'sessions', sid, 'workspace', 'who.txt'), 'utf8')).toMatch(/^session \d+/);
+    h.close();
+  }, 120_000);
+});
