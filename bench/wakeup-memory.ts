@@ -1,17 +1,19 @@
 /**
- * Memory on wake, the published method: rounds of warm call, full reclaim, idle, wakeup
- * call, for long-lived workloads that survive between calls, under three policies:
+ * Memory on wake, the published method: rounds of warm call, idle, wakeup call, for
+ * long-lived workloads that survive between calls, driven the way the broker drives a
+ * guest: mem.policy `idle` (the agent reclaims by its own policy), then mem.policy
+ * `active` and the call. Three settings of the policy's steps:
  *
  *   stock     reclaim everything (memory.reclaim), wake with the call itself
- *   prefetch  same reclaim; on wake, MADV_WILLNEED of the activation set recorded during
- *             the warm call (mem.prefetch), then the call
+ *   prefetch  same reclaim; on wake, the agent starts MADV_WILLNEED of the activation set
+ *             recorded during the warm call once the call has started, alongside it
  *   hotset    "hot set last" reclaim (cold pages to disk with the pool closed, then the
  *             activation set into the pool, writeback off); wake with the call
  *
  * `npx tsx bench/wakeup-memory.ts [--json] [--rounds N] [--quick]`
  *
  *   <workload>_<policy>_swap_mb_read   MB read from the swap disk by the wake (prefetch + call), median
- *   <workload>_<policy>_wake_ms        prefetch + call, host wall time, median
+ *   <workload>_<policy>_wake_ms        mem.policy active + call (the prefetch runs inside it), host wall time, median
  *   <workload>_<policy>_idle_host_mib  what the idle VM costs the host after reclaim, once free page reporting
  *                                      settled: QEMU's private memory (USS) plus what of it the host swapped
  *                                      out, median. Not RSS, which also counts pages shared with other
@@ -23,8 +25,8 @@
  * The VMs are cold-booted (anonymous guest RAM): QEMU 7.2 punches reported free pages out
  * of a file-backed RAM block even when it is mapped privately, which for a VM restored
  * from the pristine snapshot would damage the shared snapshot file (see
- * guest-agent/src/memory/page-reporting.ts). The guest's page_reporting_order is set to 0
- * so that pages freed one by one by reclaim go back to the host.
+ * guest-agent/src/memory/page-reporting.ts). The policy's reporting step sets the guest's
+ * page_reporting_order to 0 while idle, so pages freed one by one by reclaim go back to the host.
  */
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -37,6 +39,7 @@ import { cacheDir } from '../host-broker/src/backends/registry.ts';
 import { connectAgent } from '../host-broker/src/vm/agent-channel.ts';
 import { processMemory } from '../host-broker/src/vm/smaps.ts';
 import type { Vm } from '../host-broker/src/vm/vmm.ts';
+import type { MemoryPolicySteps } from '../guest-agent/src/protocol/methods-memory.ts';
 import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
 import { NODE_LSP, PYTHON_REPL, callWorkload, startWorkload, type LongLivedWorkload } from './lib/memory-workloads.ts';
 
@@ -46,6 +49,12 @@ const ROUNDS = roundsIdx > 0 ? Number(args.argv[roundsIdx + 1]) : args.argv.incl
 if (!Number.isInteger(ROUNDS) || ROUNDS < 2) throw new Error('--rounds must be an integer >= 2 (round 1 is a warm-up)');
 const POLICIES = ['stock', 'prefetch', 'hotset'] as const;
 type Policy = (typeof POLICIES)[number];
+/** The policy's steps each setting switches; everything else as the broker runs it (DEFAULT_MEMORY_POLICY). */
+const STEPS: Record<Policy, Partial<MemoryPolicySteps>> = {
+  stock: { hotSetLast: false, prefetch: false },
+  prefetch: { hotSetLast: false, prefetch: true },
+  hotset: { hotSetLast: true, prefetch: false },
+};
 const WORKLOADS: LongLivedWorkload[] = [PYTHON_REPL, NODE_LSP];
 const SIZE = { memoryMiB: 512, cpus: 1, swapMiB: 512 };
 const PAGE = 4096;
@@ -94,22 +103,31 @@ async function settledCostMiB(vm: Vm): Promise<{ cost: number; rss: number }> {
   return last;
 }
 
+/** The wake's prefetch once it has finished (it may outlast the call it runs beside). */
+async function prefetchDone(agent: AgentClient): Promise<{ ms: number; pages: number }> {
+  for (let i = 0; i < 600; i++) {
+    const p = (await agent.call('telemetry.sample', { processes: false })).memoryPolicy?.prefetch;
+    if (!p) return { ms: 0, pages: 0 };
+    if (p.state === 'failed') throw new Error(`prefetch failed: ${p.error}`);
+    if (p.state === 'done') return { ms: p.ms, pages: p.pages };
+    await sleep(100);
+  }
+  throw new Error('prefetch did not finish in 60 s');
+}
+
 async function oneRound(agent: AgentClient, vm: Vm, w: LongLivedWorkload, policy: Policy, roundNo: number): Promise<Sample> {
   const warm = await callWorkload(agent, w);
   const busyHostMiB = (await hostCostMiB(vm)).cost;
-  const r = await agent.call('mem.reclaim', policy === 'hotset' ? { target: 'all', hotSetLast: true } : { target: 'all' });
+  const idleOutcome = await agent.call('mem.policy', { state: 'idle' });
+  const r = idleOutcome.reclaim;
+  if (!r) throw new Error(`idle did not reclaim: ${JSON.stringify(idleOutcome.warnings)}`);
   const idle = await settledCostMiB(vm);
   const before = (await agent.call('mem.status', {})).swap;
   const t0 = performance.now();
-  let prefetchMs = 0;
-  let prefetchPages = 0;
-  if (policy === 'prefetch') {
-    const p = await agent.call('mem.prefetch', {});
-    prefetchMs = p.ms;
-    prefetchPages = p.pages;
-  }
+  await agent.call('mem.policy', { state: 'active' });
   const call = await callWorkload(agent, w);
   const wakeMs = performance.now() - t0;
+  const { ms: prefetchMs, pages: prefetchPages } = await prefetchDone(agent);
   const after = (await agent.call('mem.status', {})).swap;
   return {
     workload: w.name,
@@ -141,7 +159,7 @@ async function runPolicy(backend: QemuBackend, dataDir: string, w: LongLivedWork
   const agent = await connectAgent(vm, { timeoutMs: 600_000, log });
   const out: Sample[] = [];
   try {
-    await agent.call('mem.reporting', { order: 0 });
+    await agent.call('mem.policy', { state: 'active', steps: STEPS[policy] });
     const t = performance.now();
     await startWorkload(agent, w, 600_000);
     progress(`${id}: server up in ${((performance.now() - t) / 1000).toFixed(1)} s (accel ${backend.accel})`);

@@ -1,16 +1,11 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import { createLogger } from '../guest-agent/src/log.ts';
 import type { ParamsOf } from '../guest-agent/src/protocol/methods.ts';
 import type { AgentClient } from '../host-broker/src/agent-client.ts';
-import { QemuBackend } from '../host-broker/src/backends/qemu-backend.ts';
-import { cacheDir } from '../host-broker/src/backends/registry.ts';
-import { connectAgent } from '../host-broker/src/vm/agent-channel.ts';
 import { processMemory } from '../host-broker/src/vm/smaps.ts';
 import type { Vm } from '../host-broker/src/vm/vmm.ts';
 import { PYTHON_REPL, callWorkload, startWorkload } from '../bench/lib/memory-workloads.ts';
+import { bootMemoryVm, type MemoryVm } from './helpers/memory-vm.ts';
 import { systemRamSpan } from '../guest-agent/src/memory/damon.ts';
 import { overlapOf, toRanges, type ProcessSet } from '../guest-agent/src/memory/activation-set.ts';
 
@@ -66,25 +61,17 @@ describe('memory manager arithmetic', () => {
 });
 
 describe('guest memory manager (real QEMU)', { tags: ['vm'] }, () => {
-  let dataDir: string;
-  let backend: QemuBackend;
+  let m: MemoryVm | undefined;
   let vm: Vm;
   let agent: AgentClient;
 
   beforeAll(async () => {
-    dataDir = mkdtempSync(join(tmpdir(), 'hutch-memory-test-'));
-    backend = await QemuBackend.create({ dataDir, cacheDir: cacheDir(), log });
-    vm = await backend.driver.boot({ id: 'mem', dir: join(dataDir, 'vms', 'mem'), image: backend.image, ...SIZE });
-    agent = await connectAgent(vm, { timeoutMs: 300_000, log });
+    m = await bootMemoryVm('mem', log, SIZE);
+    ({ vm, agent } = m);
     await startWorkload(agent, PYTHON_REPL);
   }, 900_000);
 
-  afterAll(async () => {
-    agent?.close();
-    await vm?.destroy();
-    await backend?.shutdown();
-    rmSync(dataDir, { recursive: true, force: true });
-  });
+  afterAll(async () => m?.close());
 
   it('every memory control refuses bad values with a clear, typed error', async () => {
     const cases: Array<[string, Record<string, unknown>, RegExp]> = [

@@ -122,7 +122,7 @@ export class Agent {
         return { bytes };
       },
       ...memoryHandlers({ workloadCgroup: this.opts.workloadCgroup, execs: this.execs, log: this.opts.log }),
-      ...telemetryHandlers({ workloadCgroup: this.opts.workloadCgroup }),
+      ...telemetryHandlers({ workloadCgroup: this.opts.workloadCgroup, execs: this.execs }),
     };
   }
 

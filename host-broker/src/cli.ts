@@ -9,6 +9,7 @@ import { homedir } from 'node:os';
 import { join } from 'node:path';
 import { createLogger, parseLogLevel, type Logger } from '../../guest-agent/src/log.ts';
 import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
+import { parseMemorySteps } from './policy/memory-policy.ts';
 import { Broker } from './broker.ts';
 import { cacheDir, createBackend, BACKEND_NAMES, UNSAFE_LOCAL_ACK_FLAG } from './backends/registry.ts';
 import { parseTokens } from './api/principals.ts';
@@ -58,6 +59,8 @@ serve options:
                     3 = snapshot restore without routing; reclaim/prefetch = keep idle VMs, reclaim memory
   --idle-ms N       release a VM after N ms without a VM call (overrides the level; 0 = never)
   --idle-policy P   auto | kill | snapshot | reclaim (overrides the level)
+  --memory-steps S  switch steps of the guest's memory policy on or off, e.g. damon=off,prefetch=off
+                    (damon zswap mglru activationSet reclaim hotSetLast prefetch reporting dropCaches)
   --log-level L     debug | info | warn | error (default info)
   --no-build        use the cached guest image only: fail clearly instead of building it
   --ready-fd N      when listening, write one JSON line {"url","port",...} to file descriptor N and close it
@@ -198,6 +201,7 @@ async function main(): Promise<void> {
       level: { type: 'string' },
       'idle-ms': { type: 'string' },
       'idle-policy': { type: 'string' },
+      'memory-steps': { type: 'string' },
       'log-level': { type: 'string' },
       'no-build': { type: 'boolean', default: false },
       'ready-fd': { type: 'string' },
@@ -234,7 +238,7 @@ async function main(): Promise<void> {
     ...(values['metrics-port'] !== undefined ? { metricsListen: { host: values['metrics-host'], port: Number(values['metrics-port']) } } : {}),
     policyLevel: values.level ?? '4',
     ...(values['no-build'] ? { noBuild: true } : {}),
-    policy: policyFromFlags(values.level, values['idle-ms'], values['idle-policy']),
+    policy: { ...policyFromFlags(values.level, values['idle-ms'], values['idle-policy']), ...(values['memory-steps'] !== undefined ? { memoryPolicy: parseMemorySteps(values['memory-steps']) } : {}) },
     quota: {
       bytes: values['quota-bytes'] !== undefined ? positiveInt('--quota-bytes', values['quota-bytes']) : DEFAULT_QUOTA.bytes,
       files: values['quota-files'] !== undefined ? positiveInt('--quota-files', values['quota-files']) : DEFAULT_QUOTA.files,

@@ -147,6 +147,12 @@ export class MemoryController implements ExecObserver {
     return { pages: r.pages, bytes: r.bytes, ranges: r.ranges, processes: r.processes, skippedProcesses: r.skippedProcesses, ms: r.ms, before, after: swapStats() };
   }
 
+  /** Active again: hot set last's idle settings (pool writeback off) are undone. */
+  endIdle(): void {
+    if (this.cgroup && this.hotSetLastApplied) resetHotSetLast(this.cgroup);
+    this.hotSetLastApplied = false;
+  }
+
   async reclaim(p: { target: 'all' | number; hotSetLast?: boolean | undefined; dropCaches?: boolean | undefined }): Promise<z.infer<typeof ReclaimResultSchema>> {
     // The last call's set must be recorded before its pages leave.
     await this.settled();

@@ -2,7 +2,9 @@ import { noopLogger, type Logger } from '../log.ts';
 import type { ExecService } from '../process/exec-handler.ts';
 import type { Handlers } from '../protocol/connection.ts';
 import { HutchError } from '../protocol/errors.ts';
+import type { MemoryPolicyOutcome } from '../protocol/methods-memory.ts';
 import { MemoryController } from './controller.ts';
+import { MemoryPolicy } from './policy.ts';
 import { applyDamon, damonAvailable, damonState, systemRamSpan } from './damon.ts';
 import { probeDamonRegions } from './damon-probe.ts';
 import { readKnobOr } from './knobs.ts';
@@ -22,19 +24,30 @@ export interface MemoryContext {
   log?: Logger | undefined;
 }
 
-/** One controller per exec service (per agent), shared by all its connections. */
-const controllers = new WeakMap<object, MemoryController>();
+/** One controller and policy per exec service (per agent), shared by all its connections. */
+const controllers = new WeakMap<object, { mem: MemoryController; policy: MemoryPolicy }>();
 const noExecs = {};
 
-function controllerFor(ctx: MemoryContext): MemoryController {
+function controllerFor(ctx: MemoryContext): { mem: MemoryController; policy: MemoryPolicy } {
   const owner = ctx.execs ?? noExecs;
   let c = controllers.get(owner);
   if (!c) {
-    c = new MemoryController(ctx.workloadCgroup, ctx.log?.child({ component: 'memory' }) ?? noopLogger);
-    ctx.execs?.observe(c);
+    const log = ctx.log?.child({ component: 'memory' }) ?? noopLogger;
+    const mem = new MemoryController(ctx.workloadCgroup, log);
+    const policy = new MemoryPolicy(mem, ctx.execs, log);
+    ctx.execs?.observe(mem);
+    ctx.execs?.observe(policy);
+    c = { mem, policy };
     controllers.set(owner, c);
   }
   return c;
+}
+
+/** The memory policy's outcome for telemetry: null until the broker set a policy. */
+export function memoryPolicyOutcome(ctx: MemoryContext): MemoryPolicyOutcome | null {
+  const c = controllers.get(ctx.execs ?? noExecs);
+  const o = c?.policy.outcome();
+  return o && o.state !== 'none' ? o : null;
 }
 
 function orNull<T>(f: () => T): T | null {
@@ -52,9 +65,13 @@ function requireRoot(): void {
 
 /** Handlers of the mem.* methods (protocol: guest-agent/src/protocol/methods-memory.ts). */
 export function memoryHandlers(ctx: MemoryContext): Handlers {
-  const mem = controllerFor(ctx);
+  const { mem, policy } = controllerFor(ctx);
   const cg = ctx.workloadCgroup;
   return {
+    'mem.policy': async (p) => {
+      requireRoot();
+      return policy.set(p);
+    },
     'mem.reclaim': async (p) => {
       requireRoot();
       return mem.reclaim(p);

@@ -5,14 +5,16 @@ import { z } from 'zod';
  * MGLRU, free page reporting, activation sets and prefetch. Merged into METHODS in
  * methods.ts; kept in its own module because the memory manager is a concern of its own.
  *
- * The broker drives an idle guest like this:
+ * The broker drives the guest's memory with one method, mem.policy: `active` when a VM
+ * starts or wakes, `idle` when it is released and kept. The agent then applies DAMON,
+ * zswap sizing and MGLRU once the first call has started, reclaims (hot set last) on idle,
+ * and prefetches the recorded set alongside the first call after it (policy.ts). The other
+ * methods are the single steps, for tests and benches:
  *
- *   once per VM       mem.reporting { order: 0 }           freed 4 KiB pages go back to the host (page-reporting.ts:
- *                                                          not on VMs restored from a file with QEMU < 8.1)
- *   after a call      mem.activation {}                    what the last call touched, overlap with the call before
- *   idle window ends  mem.reclaim { target: 'all' }        workload memory into zswap / swap
- *   on wake           mem.prefetch {}                      MADV_WILLNEED of the recorded set, before (or while) the call runs
- *   next call         (exec as usual)                      then mem.activation {} says how many prefetched pages it hit
+ *   mem.reporting { order: 0 }       freed 4 KiB pages go back to the host (page-reporting.ts)
+ *   mem.activation {}                what the last call touched, overlap with the call before
+ *   mem.reclaim { target: 'all' }    workload memory into zswap / swap
+ *   mem.prefetch {}                  MADV_WILLNEED of the recorded set
  *
  * Activation sets are recorded by the agent itself around every exec (no call needed):
  * pages the long-lived processes of the workload cgroup touched during the call.
@@ -255,6 +257,87 @@ export const StatusResultSchema = z.object({
   prefetchHelper: z.string().nullable(),
 });
 
+// ---------- mem.policy ----------
+/**
+ * The agent's own memory policy. The broker says only `active` (a session uses the VM) or
+ * `idle` (it released it); the agent does the rest (policy.ts) and reports the outcome
+ * here and in every telemetry sample. Each step can be switched off, for measurement.
+ */
+export const MemoryPolicyStepsSchema = z
+  .object({
+    /** While active: the tuned DAMON_RECLAIM scheme through DAMON sysfs (stopped on idle). */
+    damon: z.boolean(),
+    /** zswap's max_pool_percent sized from the guest's RAM (zswap.ts: zswapPoolPercentFor). */
+    zswap: z.boolean(),
+    /** Multi-generational LRU on. */
+    mglru: z.boolean(),
+    /** Record each exec's activation set (idle page tracking) around every exec. */
+    activationSet: z.boolean(),
+    /** On idle: memory.reclaim of the whole workload cgroup. */
+    reclaim: z.boolean(),
+    /** Reclaim with the hot set last (needs activationSet). */
+    hotSetLast: z.boolean(),
+    /** On the first call after idle: MADV_WILLNEED of the recorded set, started once the call has started. */
+    prefetch: z.boolean(),
+    /** While idle: free page reporting of every free 4 KiB page (order 0); back to order 10 when active. */
+    reporting: z.boolean(),
+    /** On idle: also drop the guest's clean page cache outside the workload (drop_caches=1). */
+    dropCaches: z.boolean(),
+  })
+  .strict();
+export type MemoryPolicySteps = z.infer<typeof MemoryPolicyStepsSchema>;
+export const DEFAULT_MEMORY_POLICY: MemoryPolicySteps = {
+  damon: true,
+  zswap: true,
+  mglru: true,
+  activationSet: true,
+  reclaim: true,
+  hotSetLast: true,
+  prefetch: true,
+  reporting: true,
+  dropCaches: false,
+};
+export const MemoryPolicyParamsSchema = z
+  .object({
+    state: z.enum(['active', 'idle']),
+    /** Steps to switch on or off from now on (absent: as before; the agent starts with DEFAULT_MEMORY_POLICY). */
+    steps: MemoryPolicyStepsSchema.partial().strict().optional(),
+  })
+  .strict();
+export const PrefetchOutcomeSchema = z.object({
+  state: z.enum(['armed', 'running', 'done', 'failed']),
+  /** Guest wall clock (ms since the epoch) when the first call after idle reached the agent's exec, and when the prefetch started. */
+  callStartedAtMs: z.number().nullable(),
+  startedAtMs: z.number().nullable(),
+  pages: z.number().int().nonnegative(),
+  ms: z.number().nonnegative(),
+  error: z.string().nullable(),
+});
+export const MemoryPolicyOutcomeSchema = z.object({
+  state: z.enum(['none', 'active', 'idle']),
+  steps: MemoryPolicyStepsSchema,
+  /** Guest wall clock of the last change (ms since the epoch). */
+  atMs: z.number(),
+  damon: z
+    .object({
+      running: z.boolean(),
+      /** Why it is not running although the step is on (this kernel has no DAMON, it refused the scheme). */
+      unavailable: z.string().nullable(),
+      /** Bytes DAMON paged out while active (its scheme's sz_applied), read when it stopped. */
+      reclaimedBytes: bytesCount,
+    })
+    .nullable(),
+  zswap: z.object({ maxPoolPercent: z.number().int(), compressor: z.string() }).nullable(),
+  /** The last idle's reclaim; null before one, or with the step off. */
+  reclaim: ReclaimResultSchema.nullable(),
+  activation: z.object({ track: z.boolean(), calls: z.number().int().nonnegative(), pages: z.number().int().nonnegative() }),
+  /** The last wake's prefetch; null before one, or with the step off. */
+  prefetch: PrefetchOutcomeSchema.nullable(),
+  /** What a step could not do (said here and in the agent's log, never silently skipped). */
+  warnings: z.array(z.string()),
+});
+export type MemoryPolicyOutcome = z.infer<typeof MemoryPolicyOutcomeSchema>;
+
 export const MEMORY_METHODS = {
   /** memory.reclaim on the workload cgroup to a target; optionally hot set last. */
   'mem.reclaim': { params: ReclaimParamsSchema, result: ReclaimResultSchema },
@@ -272,6 +355,8 @@ export const MEMORY_METHODS = {
   'mem.activation': { params: ActivationParamsSchema, result: ActivationResultSchema },
   /** MADV_WILLNEED of the recorded activation set, before the next call runs. */
   'mem.prefetch': { params: PrefetchParamsSchema, result: PrefetchResultSchema },
+  /** The agent's own memory policy: the broker says active or idle, the agent does the rest. */
+  'mem.policy': { params: MemoryPolicyParamsSchema, result: MemoryPolicyOutcomeSchema },
   /** Everything above, read-only. */
   'mem.status': { params: StatusParamsSchema, result: StatusResultSchema },
 } as const;

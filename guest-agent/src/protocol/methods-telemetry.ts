@@ -1,4 +1,5 @@
 import { z } from 'zod';
+import { MemoryPolicyOutcomeSchema } from './methods-memory.ts';
 
 /**
  * Telemetry methods and events of the agent protocol (telemetry.*): what the guest's
@@ -52,6 +53,8 @@ export const TelemetrySampleSchema = z.object({
   vmstatDelta: z.record(z.enum(VMSTAT_COUNTERS), count),
   /** /proc/pressure/memory; absent when the kernel has no PSI. */
   psiMemory: PsiSchema.optional(),
+  /** The guest's memory policy (mem.policy): state, steps, what the last idle reclaimed, the last wake's prefetch. */
+  memoryPolicy: MemoryPolicyOutcomeSchema.optional(),
   processes: z.array(ProcessSampleSchema),
 });
 export type TelemetrySample = z.infer<typeof TelemetrySampleSchema>;

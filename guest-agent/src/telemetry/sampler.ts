@@ -2,6 +2,7 @@ import { readFileSync } from 'node:fs';
 import { uptime } from 'node:os';
 import pidusage from 'pidusage';
 import { memInfo, swapStats } from '../memory/stats.ts';
+import type { MemoryPolicyOutcome } from '../protocol/methods-memory.ts';
 import type { TelemetrySample } from '../protocol/methods-telemetry.ts';
 import { readVmstat, vmstatDelta, type VmstatCounters } from './vmstat.ts';
 
@@ -16,7 +17,11 @@ const MAX_PROCESSES = 64;
 export class TelemetrySampler {
   private last: VmstatCounters | undefined;
 
-  constructor(private readonly workloadCgroup: string | undefined) {}
+  constructor(
+    private readonly workloadCgroup: string | undefined,
+    /** The guest memory policy's last outcome (what idle reclaimed, the wake's prefetch), if one is set. */
+    private readonly memoryPolicy: () => MemoryPolicyOutcome | null = () => null,
+  ) {}
 
   async sample(opts: { processes?: boolean } = {}): Promise<TelemetrySample> {
     const mem = memInfo();
@@ -25,6 +30,7 @@ export class TelemetrySampler {
     const delta = this.last ? vmstatDelta(this.last, vm) : vmstatDelta(vm, vm);
     this.last = vm;
     const psi = readPsi('/proc/pressure/memory');
+    const policy = this.memoryPolicy();
     return {
       atMs: Date.now(),
       uptimeS: uptime(),
@@ -41,6 +47,7 @@ export class TelemetrySampler {
       vmstat: vm,
       vmstatDelta: delta,
       ...(psi ? { psiMemory: psi } : {}),
+      ...(policy ? { memoryPolicy: policy } : {}),
       processes: opts.processes === false ? [] : await this.processes(),
     };
   }

@@ -1,4 +1,5 @@
 import type { ExecResult } from '../../../guest-agent/src/protocol/methods.ts';
+import type { MemoryPolicySteps } from '../../../guest-agent/src/protocol/methods-memory.ts';
 import type { TelemetrySample } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 import type { AgentClient, ExecRequest } from '../agent-client.ts';
 import type { HostChanges } from '../sync/host-changes.ts';
@@ -19,6 +20,8 @@ export interface SandboxSpec {
   memoryMiB: number;
   /** The session's workspace quota: sizes the guest's /work (tmpfs size= and nr_inodes=). */
   quota?: { bytes: number; files: number };
+  /** Steps of the guest's own memory policy (a VM's agent applies them; policy/memory-policy.ts). */
+  memoryPolicy?: MemoryPolicySteps;
 }
 
 export interface WakeInfo {
@@ -95,12 +98,6 @@ export interface ReclaimInfo {
   detail?: Record<string, unknown>;
 }
 
-export interface PrefetchInfo {
-  ms: number;
-  pages: number;
-  bytes: number;
-}
-
 export interface Sandbox {
   readonly spec: SandboxSpec;
   readonly agent: AgentClient;
@@ -113,15 +110,15 @@ export interface Sandbox {
   synced<T>(fn: (agent: AgentClient) => Promise<T>, hostChanges: HostChanges): Promise<Synced<T>>;
   /** What the guest changed outside the workspace, for the release decision. */
   state(): Promise<GuestState>;
-  /** Reclaims the idle guest's memory into zswap/swap, keeping the VM; absent when the guest cannot. */
-  reclaim?(opts: { hotSetLast: boolean }): Promise<ReclaimInfo>;
+  /** Tells the guest it is idle: it reclaims its memory into zswap/swap (its own policy), the VM is kept; absent when the guest cannot. */
+  reclaim?(): Promise<ReclaimInfo>;
   /** Samples the guest (memory, swap, zswap, vmstat, PSI, processes); absent where the agent is not alone on its machine. */
   telemetry?(): Promise<TelemetrySample>;
   /**
-   * Undoes reclaim's idle settings before the next call and, with `prefetch`, reads the
-   * last call's activation set back in (MADV_WILLNEED) ahead of it.
+   * Tells the guest it is active again: it undoes its idle settings and (its prefetch step)
+   * reads the last call's activation set back in alongside the next call, not before it.
    */
-  wakeFromReclaim?(opts: { prefetch: boolean }): Promise<PrefetchInfo | undefined>;
+  wakeFromReclaim?(): Promise<void>;
   /** Writes a snapshot of the VM into `dir` (RAM + devices + workspace manifest), then stops it. */
   suspend?(dir: string): Promise<{ bytes: number; ms: number; slot: SlotRef }>;
   /**

@@ -22,7 +22,7 @@ import { cleanupOrphans } from '../vm/orphans.ts';
 import { QemuDriver, qemuPids } from '../vm/qemu-driver.ts';
 import { SnapshotStore } from '../vm/snapshot-store.ts';
 import type { Accel, Vm } from '../vm/vmm.ts';
-import type { GuestState, PrefetchInfo, ReclaimInfo, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
+import type { GuestState, ReclaimInfo, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
 
 export interface QemuBackendOptions {
   dataDir: string;
@@ -39,10 +39,6 @@ export interface QemuBackendOptions {
   /** Use the cached guest image only (`hutch serve --no-build`). */
   noBuild?: boolean;
 }
-
-/** Free page reporting granularity (page order) while a VM idles reclaimed, and while it works (the kernel's default). */
-const IDLE_REPORTING_ORDER = 0;
-const ACTIVE_REPORTING_ORDER = 10;
 
 /** HOME of the tenant user inside the guest, as a path under the overlay's upper layer. */
 const GUEST_HOME = 'home/tenant/';
@@ -139,6 +135,9 @@ export class QemuBackend implements VmBackend {
       agent.workspaceEntries = mark.entries;
       const sandbox = new QemuSandbox(spec, vm, agent, mirror, mark.marker, this.opts.maxFileBytes ?? 256 * 1024 * 1024, pristine.meta.key, this.opts.log, () => this.sandboxes.delete(sandbox));
       this.sandboxes.add(sandbox);
+      // Not awaited: sent before the first call, so the agent has its policy when that call
+      // starts, and applies it only then (off the wake's path).
+      sandbox.activate().catch((err: unknown) => this.opts.log.warn('vm.memory_policy_failed', { session: spec.session, error: (err as Error).message }));
       const wakeMs = performance.now() - t0;
       const how = from ? 'slot-restore' : opts.coldBoot ? 'cold-boot' : 'pristine-restore';
       this.opts.log.info('vm.woke', { session: spec.session, how, wakeMs: Math.round(wakeMs), phases, pushedFiles: pushed.files, pushedBytes: pushed.bytes, ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
@@ -265,20 +264,29 @@ class QemuSandbox implements Sandbox {
     return { bytes: pulled.stats.bytes, errors: pulled.stats.errors };
   }
 
-  async reclaim(opts: { hotSetLast: boolean }): Promise<ReclaimInfo> {
-    // Report every free page while idle, so what reclaim frees goes back to the host
-    // (safe for the shared pristine file only under the shared-RAM guard, see vm/shared-ram-guard.ts).
-    await this.guard(() => this.agent.call('mem.reporting', { order: IDLE_REPORTING_ORDER }));
-    const r = await this.guard(() => this.agent.call('mem.reclaim', { target: 'all', ...(opts.hotSetLast ? { hotSetLast: true } : {}) }));
-    return { ms: r.ms, reclaimedBytes: r.reclaimedBytes, detail: { residentBytes: r.residentBytes, partial: r.partial, zswapPoolBytes: r.after.zswapPoolBytes } };
+  async reclaim(): Promise<ReclaimInfo> {
+    // The guest runs its own memory policy: told it is idle, it reclaims (hot set last),
+    // stops DAMON and reports its free pages to the host (safe for the shared pristine file
+    // only under the shared-RAM guard, see vm/shared-ram-guard.ts).
+    const o = await this.guard(() => this.agent.call('mem.policy', { state: 'idle', ...(this.spec.memoryPolicy ? { steps: this.spec.memoryPolicy } : {}) }));
+    if (o.warnings.length) this.log.warn('vm.memory_policy', { session: this.spec.session, state: 'idle', warnings: o.warnings });
+    const r = o.reclaim;
+    return {
+      ms: r?.ms ?? 0,
+      reclaimedBytes: r?.reclaimedBytes ?? 0,
+      detail: { residentBytes: r?.residentBytes, partial: r?.partial, zswapPoolBytes: r?.after.zswapPoolBytes, swapUsedBytes: r?.after.swapUsedBytes, hotSetBytes: r?.hotSetBytes, damon: o.damon, activationPages: o.activation.pages },
+    };
   }
 
-  async wakeFromReclaim(opts: { prefetch: boolean }): Promise<PrefetchInfo | undefined> {
-    // Busy guests report only large free blocks: per-page reports cost a VM exit each.
-    await this.guard(() => this.agent.call('mem.reporting', { order: ACTIVE_REPORTING_ORDER }));
-    if (!opts.prefetch) return undefined;
-    const r = await this.guard(() => this.agent.call('mem.prefetch', {}));
-    return { ms: r.ms, pages: r.pages, bytes: r.bytes };
+  async wakeFromReclaim(): Promise<void> {
+    // Active again: the agent prefetches the last call's set once the next call has started.
+    await this.activate();
+  }
+
+  /** Tells the agent the session is active (and with which memory policy steps). */
+  async activate(): Promise<void> {
+    const o = await this.guard(() => this.agent.call('mem.policy', { state: 'active', ...(this.spec.memoryPolicy ? { steps: this.spec.memoryPolicy } : {}) }));
+    if (o.warnings.length) this.log.warn('vm.memory_policy', { session: this.spec.session, state: 'active', warnings: o.warnings });
   }
 
   telemetry(): Promise<TelemetrySample> {

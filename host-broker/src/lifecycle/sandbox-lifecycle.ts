@@ -187,14 +187,14 @@ export class SandboxLifecycle {
     if (!this.reclaimed) return { wakeMs: 0, woke: false, how: 'live' };
     this.reclaimed = false;
     const sb = this.sandbox as Sandbox;
-    const prefetch = this.opts.policy.prefetch;
+    const prefetch = this.spec.memoryPolicy?.prefetch ?? this.opts.policy.prefetch;
     const t0 = performance.now();
     try {
-      const p = await sb.wakeFromReclaim?.({ prefetch });
-      if (p) this.log.info('vm.prefetched', { pages: p.pages, bytes: p.bytes, ms: Math.round(p.ms) });
+      // The guest's own policy: it prefetches alongside the call, never before it.
+      await sb.wakeFromReclaim?.();
     } catch (err) {
-      // A failed prefetch only costs speed: the call faults its pages in instead.
-      this.log.warn('vm.prefetch_failed', { error: (err as Error).message });
+      // A failed wake of the policy only costs speed: the call faults its pages in instead.
+      this.log.warn('vm.memory_policy_failed', { error: (err as Error).message });
     }
     return { wakeMs: performance.now() - t0, woke: true, how: prefetch ? 'reclaimed-prefetch' : 'reclaimed' };
   }
@@ -286,7 +286,7 @@ export class SandboxLifecycle {
         const slot = await this.slots.write(async (dir) => (await suspend(dir)).slot);
         record = { decision: 'snapshot', reason: `${reason}; kept in slot ${slot.dir.slice(-1)}`, ms: performance.now() - t0, bytesWritten: dirSize(slot) };
       } else if (choice.decision === 'reclaim' && sb.reclaim) {
-        const r = await sb.reclaim({ hotSetLast: false });
+        const r = await sb.reclaim();
         keep = true;
         record = { decision: 'reclaim', reason: `${reason}; ${(r.reclaimedBytes / 1048576).toFixed(1)} MiB reclaimed`, ms: performance.now() - t0, bytesWritten: r.reclaimedBytes };
       } else {

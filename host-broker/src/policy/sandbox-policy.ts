@@ -1,4 +1,5 @@
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import type { MemoryPolicySteps } from '../../../guest-agent/src/protocol/methods-memory.ts';
 
 /**
  * How the broker treats a session's VM: where calls go, how a VM comes up, when and how
@@ -21,8 +22,10 @@ export interface SandboxPolicy {
    * guest can reclaim). The others force one choice, for experiments.
    */
   idlePolicy: 'auto' | 'kill' | 'snapshot' | 'reclaim';
-  /** On a wake from reclaim, prefetch the last call's activation set before the call runs. */
+  /** On a wake from reclaim, prefetch the last call's activation set (alongside the call). */
   prefetch: boolean;
+  /** Steps of the guest's own memory policy switched on or off (default all on but dropCaches; memory-policy.ts). */
+  memoryPolicy?: Partial<MemoryPolicySteps>;
 }
 
 export const DEFAULT_POLICY: SandboxPolicy = { routing: true, wake: 'restore', idleMs: 5000, idlePolicy: 'auto', prefetch: true };

@@ -18,6 +18,7 @@ import type { FastPathRunner } from '../tools/fastpath-runner.ts';
 import { parseToolArgs, runFileTool } from '../tools/file-calls.ts';
 import { agentFileTools } from '../tools/agent-file-tools.ts';
 import type { SandboxPolicy } from '../policy/sandbox-policy.ts';
+import { memoryStepsFor } from '../policy/memory-policy.ts';
 import { DEFAULT_QUOTA, WorkspaceQuota, type QuotaLimits } from './workspace-quota.ts';
 
 export interface SessionMeta {
@@ -325,7 +326,7 @@ export class Session {
   }
 
   private spec(): SandboxSpec {
-    return { session: this.id, workspaceDir: this.workspaceDir, stateDir: this.stateDir, cpus: this.meta.cpus, memoryMiB: this.meta.memoryMiB, quota: this.quota.limits };
+    return { session: this.id, workspaceDir: this.workspaceDir, stateDir: this.stateDir, cpus: this.meta.cpus, memoryMiB: this.meta.memoryMiB, quota: this.quota.limits, memoryPolicy: memoryStepsFor(this.deps.policy) };
   }
 }
 
