@@ -10,7 +10,9 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Hutch, HutchError } from '../host-broker/src/sdk/index.ts';
-import { clusterSkipReason, startCluster, TENANTS, type Broker, type Cluster, type GatewayProc } from './helpers/cluster.ts';
+import { Catalog } from '../host-broker/src/catalog/catalog.ts';
+import { place } from '../host-broker/src/gateway/placement.ts';
+import { clusterSkipReason, GATEWAY_CREDENTIAL, startCluster, TENANTS, type Broker, type Cluster, type GatewayProc } from './helpers/cluster.ts';
 
 const skip = clusterSkipReason();
 if (skip) console.log(`SKIPPING test/gateway.test.ts: ${skip}`);
@@ -114,12 +116,34 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
     b.close();
   }, 60_000);
 
-  it('a create naming a template goes only to a broker advertising it', async () => {
-    const h = await Hutch.connect(g1.url, { token: TENANTS.alice });
-    for (let i = 0; i < 6; i++) {
-      const info = await h.request('create', { template: 'python' });
-      expect(await brokerOf((info as { session: string }).session)).toBe('b1');
+  it('an id closed through one gateway and made again by another principal is routed right by both (cached placements are checked)', async () => {
+    const [a1, a2] = [await Hutch.connect(g1.url, { token: TENANTS.alice }), await Hutch.connect(g2.url, { token: TENANTS.alice })];
+    const [bob1, bob2] = [await Hutch.connect(g1.url, { token: TENANTS.bob }), await Hutch.connect(g2.url, { token: TENANTS.bob })];
+    for (let i = 0; i < 4; i++) {
+      const id = `reuse-${i}`;
+      await (await a1.create({ id, workspace: { files: { 'owner.txt': 'alice\n' } } })).files.read('owner.txt');
+      expect((await (await a2.attach(id)).files.read('owner.txt')).content).toContain('alice'); // g2 now remembers alice's placement
+      await (await a1.attach(id)).close();
+      await bob1.create({ id, workspace: { files: { 'owner.txt': 'bob\n' } } });
+      expect((await (await bob2.attach(id)).files.read('owner.txt')).content).toContain('bob');
+      expect((await failure(a2.request('call', { session: id, tool: 'read', args: { filePath: 'owner.txt' } }))).code).toBe('not_found');
+      await (await bob2.attach(id)).close();
     }
+    for (const h of [a1, a2, bob1, bob2]) h.close();
+  }, 60_000);
+
+  it('a create naming a template goes only to a broker advertising it', async () => {
+    // The placement itself, against the live brokers' real /load (the unsafe-local brokers here
+    // cannot boot a template, so a create with one is refused by the broker it lands on).
+    const catalog = new Catalog(cluster.redisUrl);
+    const live = await catalog.liveBrokers();
+    catalog.close();
+    expect(live.map((b) => b.id).sort()).toEqual(['b1', 'b2', 'b3']);
+    for (let i = 0; i < 10; i++) {
+      const p = await place(live, { template: 'python', memoryMiB: 512, k: 2, credential: GATEWAY_CREDENTIAL, timeoutMs: 3000 });
+      expect(p.broker.id).toBe('b1');
+    }
+    const h = await Hutch.connect(g1.url, { token: TENANTS.alice });
     const e = await failure(h.request('create', { template: 'no-such-template' }));
     expect(e.code).toBe('unavailable');
     expect(e.context?.['template']).toBe('no-such-template');

@@ -119,14 +119,15 @@ describe.skipIf(skip !== undefined)('gateway security', () => {
   });
 
   it('a forged gateway credential, or the real one without a principal or with a bad name, is refused', async () => {
-    for (const headers of [
+    const attempts: Array<Record<string, string>> = [
       { authorization: `Bearer ${GATEWAY_CREDENTIAL.slice(0, -1)}x`, [PRINCIPAL_HEADER]: 'alice' },
       { authorization: 'Bearer gateway-credential', [PRINCIPAL_HEADER]: 'alice' },
       { [PRINCIPAL_HEADER]: 'alice' },
       { authorization: `Bearer ${GATEWAY_CREDENTIAL}` },
       { authorization: `Bearer ${GATEWAY_CREDENTIAL}`, [PRINCIPAL_HEADER]: '../alice' },
       { authorization: `Bearer ${GATEWAY_CREDENTIAL}`, [PRINCIPAL_HEADER]: '' },
-    ]) {
+    ];
+    for (const headers of attempts) {
       expect((await upgrade(b1.url, headers)).status).toBe(401);
     }
   });

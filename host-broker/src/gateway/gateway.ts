@@ -54,6 +54,10 @@ export interface GatewayOptions {
 
 const VERSION = (JSON.parse(readFileSync(new URL('../../../package.json', import.meta.url), 'utf8')) as { version: string }).version;
 
+/** How long a cached session placement is used before the catalog is read again, and how many are kept. */
+const ENTRY_CACHE_MS = 30_000;
+const ENTRY_CACHE_MAX = 100_000;
+
 /** An upstream idle this long (no request in flight) is closed. */
 const UPSTREAM_IDLE_MS = 60_000;
 
@@ -76,6 +80,8 @@ export class Gateway {
    */
   private readonly upstreams = new Map<string, Promise<Upstream>>();
   private brokers: { at: number; list: BrokerRecord[] } | undefined;
+  /** Session placements read from the catalog (bounded, short-lived; see placement()). */
+  private readonly entries = new Map<string, SessionEntry & { at: number }>();
   private readonly sweeper: NodeJS.Timeout;
   readonly registry = new Registry();
   private readonly requests = new Counter({ name: 'hutch_gateway_requests_total', help: 'Requests forwarded, by op and outcome', labelNames: ['op', 'outcome'], registers: [this.registry] });
@@ -269,17 +275,60 @@ export class Gateway {
     }
   }
 
-  private async forwardToSession(session: string, op: string, raw: unknown, ctx: OpContext): Promise<unknown> {
+  /**
+   * A session's placement, from this gateway's cache when it has it (a catalog round trip
+   * per call otherwise). A cached entry can only be stale after the session was closed
+   * elsewhere and its id reused; every answer that could come from that (a principal
+   * mismatch here, not_found from the broker) is checked against the catalog before it stands.
+   */
+  private async placement(session: string, principal: string, fresh: boolean): Promise<{ entry: SessionEntry; cached: boolean }> {
+    const hit = fresh ? undefined : this.entries.get(session);
+    if (hit && hit.principal === principal && Date.now() - hit.at < ENTRY_CACHE_MS) return { entry: hit, cached: true };
     const entry = await this.catalog.session(session);
     // Another principal's session answers exactly like a missing one, as on a broker.
-    if (!entry || entry.principal !== ctx.principal) throw new HutchError('not_found', `no session ${session}`, { session });
+    if (!entry || entry.principal !== principal) {
+      this.entries.delete(session);
+      throw new HutchError('not_found', `no session ${session}`, { session });
+    }
+    this.remember(session, entry);
+    return { entry, cached: false };
+  }
+
+  private remember(session: string, entry: SessionEntry): void {
+    this.entries.delete(session);
+    this.entries.set(session, { ...entry, at: Date.now() });
+    // Oldest first in insertion order: drop from the front past the bound.
+    for (const k of this.entries.keys()) {
+      if (this.entries.size <= ENTRY_CACHE_MAX) break;
+      this.entries.delete(k);
+    }
+  }
+
+  private async forwardToSession(session: string, op: string, raw: unknown, ctx: OpContext, fresh = false): Promise<unknown> {
+    const { entry, cached } = await this.placement(session, ctx.principal, fresh);
+    try {
+      return await this.forwardPlaced(session, entry, op, raw, ctx);
+    } catch (err) {
+      // The broker does not have it: nothing ran there. A stale cache entry gets one retry from the catalog.
+      if (cached && toHutchError(err).code === 'not_found' && toHutchError(err).context?.['session'] === session) {
+        this.entries.delete(session);
+        return this.forwardToSession(session, op, raw, ctx, true);
+      }
+      throw err;
+    }
+  }
+
+  private async forwardPlaced(session: string, entry: SessionEntry, op: string, raw: unknown, ctx: OpContext): Promise<unknown> {
     const rec = await this.brokerFor(entry, session);
     const u = await this.upstream(ctx, rec).catch((err: unknown) => {
       throw new HutchError('unavailable', `session ${session} lives on broker ${rec.id}, which cannot be reached: ${(err as Error).message}`, { session, broker: rec.id, reason: 'unreachable' });
     });
     const r = await this.forward(u, op, raw, ctx);
     // The session is gone from its broker: forget the placement (only ours, compare-and-delete).
-    if (op === 'close') await this.catalog.releaseSession(session, entry);
+    if (op === 'close') {
+      this.entries.delete(session);
+      await this.catalog.releaseSession(session, { broker: entry.broker, principal: entry.principal });
+    }
     return r;
   }
 
