@@ -1,0 +1,127 @@
+/**
+ * deploy/kubernetes renders offline with kustomize and every rendered object validates
+ * against the Kubernetes API schemas (kubernetes-models ships them; no cluster, no network).
+ * Then what the deployment promises: brokers only on KVM nodes with /dev/kvm and the data dir
+ * from the host, probes on /healthz, a preStop drain, requests; gateways behind a Service;
+ * the catalog; tokens from a Secret; metrics annotations; and every flag in a container's
+ * args is one the hutch CLI knows.
+ */
+import { execFileSync, spawnSync } from 'node:child_process';
+import { resolve } from 'node:path';
+import { describe, expect, it } from 'vitest';
+import { parseAllDocuments } from 'yaml';
+import { Namespace } from 'kubernetes-models/v1/Namespace';
+import { Service } from 'kubernetes-models/v1/Service';
+import { DaemonSet } from 'kubernetes-models/apps/v1/DaemonSet';
+import { Deployment } from 'kubernetes-models/apps/v1/Deployment';
+import { StatefulSet } from 'kubernetes-models/apps/v1/StatefulSet';
+import { PodDisruptionBudget } from 'kubernetes-models/policy/v1/PodDisruptionBudget';
+
+const repo = resolve(import.meta.dirname, '..');
+const base = resolve(repo, 'deploy/kubernetes');
+
+/** The schema class for each apiVersion/kind the base may contain. */
+const MODELS: Record<string, new (o: never) => { validate(): void }> = {
+  'v1/Namespace': Namespace,
+  'v1/Service': Service,
+  'apps/v1/DaemonSet': DaemonSet,
+  'apps/v1/Deployment': Deployment,
+  'apps/v1/StatefulSet': StatefulSet,
+  'policy/v1/PodDisruptionBudget': PodDisruptionBudget,
+};
+
+/** kubectl kustomize (kubectl >= 1.14, e.g. Debian's kubernetes-client), else a standalone kustomize. */
+function renderer(): { cmd: string; args: string[] } | undefined {
+  for (const c of [{ cmd: 'kubectl', args: ['kustomize', base] }, { cmd: 'kustomize', args: ['build', base] }]) {
+    const r = spawnSync(c.cmd, [...c.args.slice(0, 1), '--help'], { encoding: 'utf8' });
+    if (!r.error && r.status === 0) return c;
+  }
+  return undefined;
+}
+
+const render = renderer();
+if (!render) console.log('SKIPPING test/deploy-kubernetes.test.ts: neither `kubectl kustomize` nor `kustomize` is installed (apt-get install kubernetes-client)');
+
+type Obj = { apiVersion: string; kind: string; metadata: { name: string; annotations?: Record<string, string> }; spec?: Record<string, unknown> };
+type Container = { name: string; command?: string[]; args?: string[]; env?: Array<{ name: string }>; volumeMounts?: Array<{ name: string; mountPath: string }>; resources?: { requests?: Record<string, string> }; livenessProbe?: { httpGet?: { path: string } }; readinessProbe?: { httpGet?: { path: string } }; lifecycle?: { preStop?: unknown } };
+type PodSpec = { nodeSelector?: Record<string, string>; containers: Container[]; initContainers?: Container[]; volumes?: Array<{ name: string; hostPath?: { path: string }; secret?: { secretName: string } }> };
+
+describe.skipIf(!render)('deploy/kubernetes', () => {
+  const objects = (() => {
+    if (!render) return [] as Obj[];
+    const text = execFileSync(render.cmd, render.args, { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
+    return parseAllDocuments(text).map((d) => d.toJS() as Obj).filter(Boolean);
+  })();
+  const find = (kind: string, name: string) => {
+    const o = objects.find((x) => x.kind === kind && x.metadata.name === name);
+    if (!o) throw new Error(`no ${kind} ${name} in the rendered base`);
+    return o;
+  };
+  const pod = (o: Obj) => (o.spec as { template: { spec: PodSpec; metadata: { annotations?: Record<string, string> } } }).template;
+
+  it('every rendered object validates against the Kubernetes API schema of its kind', () => {
+    expect(objects.length).toBeGreaterThanOrEqual(7);
+    for (const o of objects) {
+      const Model = MODELS[`${o.apiVersion}/${o.kind}`];
+      if (!Model) throw new Error(`no schema for ${o.apiVersion} ${o.kind}`);
+      expect(() => new Model(o as never).validate(), `${o.kind} ${o.metadata.name}`).not.toThrow();
+    }
+  });
+
+  it('the schemas do reject a malformed object (the check above can fail)', () => {
+    const ds = structuredClone(find('DaemonSet', 'hutch-broker')) as Obj;
+    (pod(ds).spec as unknown as { containers: unknown }).containers = 'not a list';
+    expect(() => new DaemonSet(ds as never).validate()).toThrow();
+    const svc = structuredClone(find('Service', 'hutch-gateway')) as Obj;
+    (svc.spec as { ports: Array<{ port: unknown }> }).ports[0]!.port = 'seventy';
+    expect(() => new Service(svc as never).validate()).toThrow();
+  });
+
+  it('brokers: a DaemonSet on KVM nodes with /dev/kvm and the data dir from the host, probes, requests, a preStop drain', () => {
+    const ds = find('DaemonSet', 'hutch-broker');
+    const t = pod(ds);
+    expect(t.spec.nodeSelector).toEqual({ 'hutch.dev/kvm': 'true' });
+    const c = t.spec.containers.find((x) => x.name === 'broker') as Container;
+    const hostPaths = Object.fromEntries((t.spec.volumes ?? []).filter((v) => v.hostPath).map((v) => [v.name, v.hostPath?.path]));
+    const mounts = Object.fromEntries((c.volumeMounts ?? []).map((m) => [m.mountPath, m.name]));
+    expect(hostPaths[mounts['/dev/kvm'] as string]).toBe('/dev/kvm');
+    expect(hostPaths[mounts['/var/lib/hutch'] as string]).toBe('/var/lib/hutch');
+    expect(c.args).toContain('--data-dir=/var/lib/hutch');
+    expect(c.livenessProbe?.httpGet?.path).toBe('/healthz');
+    expect(c.readinessProbe?.httpGet?.path).toBe('/healthz');
+    expect(c.resources?.requests?.['cpu']).toBeDefined();
+    expect(c.resources?.requests?.['memory']).toBeDefined();
+    expect(JSON.stringify(c.lifecycle?.preStop)).toContain('kill -TERM 1');
+    // The broker is a cluster member: catalog, stable id from the node, credential from the Secret.
+    expect(c.args).toEqual(expect.arrayContaining(['--catalog=redis://hutch-redis:6379', '--broker-id=$(NODE_NAME)', '--gateway-token-file=/etc/hutch/gateway-token']));
+    expect(t.metadata.annotations?.['prometheus.io/scrape']).toBe('true');
+    // The grace period outlasts the drain.
+    const drainMs = Number((c.args ?? []).find((a) => a.startsWith('--drain-ms='))?.split('=')[1]);
+    expect((t.spec as { terminationGracePeriodSeconds?: number }).terminationGracePeriodSeconds! * 1000).toBeGreaterThan(drainMs);
+  });
+
+  it('gateways: a Deployment behind a Service, the catalog as a StatefulSet, tokens from a Secret', () => {
+    const dep = find('Deployment', 'hutch-gateway');
+    expect((dep.spec as { replicas: number }).replicas).toBeGreaterThanOrEqual(2);
+    const svc = find('Service', 'hutch-gateway');
+    expect((svc.spec as { selector: Record<string, string> }).selector['app.kubernetes.io/name']).toBe('hutch-gateway');
+    find('StatefulSet', 'hutch-redis');
+    find('Service', 'hutch-redis');
+    for (const o of [dep, find('DaemonSet', 'hutch-broker')]) {
+      const secrets = (pod(o).spec.volumes ?? []).filter((v) => v.secret).map((v) => v.secret?.secretName);
+      expect(secrets).toEqual(['hutch-secrets']);
+    }
+    // No token in the rendered base: they come from the Secret only.
+    expect(JSON.stringify(objects)).not.toMatch(/token=[^/]/);
+  });
+
+  it('every flag the containers pass is one the hutch CLI knows', () => {
+    const help = execFileSync(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', '--help'], { cwd: repo, encoding: 'utf8' });
+    for (const o of objects.filter((x) => ['DaemonSet', 'Deployment'].includes(x.kind))) {
+      for (const c of [...pod(o).spec.containers, ...(pod(o).spec.initContainers ?? [])]) {
+        if (c.command?.[0] !== 'hutch') continue;
+        for (const a of c.args ?? []) if (a.startsWith('--')) expect(help, `${o.metadata.name}: ${a}`).toContain(`${a.split('=')[0]} `);
+      }
+    }
+  });
+});
