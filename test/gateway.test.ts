@@ -70,6 +70,13 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
     }
     for (const h of via) h.close();
     const count = (b: string) => [...placed.values()].filter((x) => x === b).length;
+    // Each gateway counts its placements per broker; together they placed all 30.
+    let counted = 0;
+    for (const g of [g1, g2]) {
+      const text = await (await fetch(`${g.url.replace(/^ws/, 'http')}/metrics`, { headers: { authorization: `Bearer ${TENANTS.alice}` } })).text();
+      for (const m of text.matchAll(/^hutch_gateway_placements_total\{broker="b\d"\} (\d+)$/gm)) counted += Number(m[1]);
+    }
+    expect(counted).toBe(30);
     expect(placed.size).toBe(30);
     expect(count('b2')).toBeGreaterThan(0);
     expect(count('b3')).toBeGreaterThan(0);
@@ -192,6 +199,10 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
       expect(e.message).toContain('b2');
     }
     for (const sid of others.slice(0, 5)) expect((await (await h.attach(sid)).files.read('who.txt')).content).toContain('session');
+    // The list through a gateway says which broker could not answer, and lists the rest.
+    const list = (await h.request('sessions', {})) as { sessions: Array<{ session: string }>; unavailable?: string[] };
+    expect(list.unavailable).toEqual(['b2']);
+    expect(list.sessions.map((x) => x.session)).toEqual(expect.arrayContaining(others));
     await until('the lease of b2 to expire', async () => (await cluster.catalog.command('EXISTS', 'hutch:broker:b2')) === 0);
     for (let i = 0; i < 8; i++) {
       const sb = await h.create();

@@ -102,6 +102,18 @@ describe.skipIf(skip !== undefined)('gateway security', () => {
     alice.close();
   }, 60_000);
 
+  it('malformed session ids and create ids are refused before they reach the catalog', async () => {
+    const before = await cluster.catalog.command('DBSIZE');
+    const bob = await Hutch.connect(g1.url, { token: TENANTS.bob });
+    for (const session of ['x'.repeat(1_000_000), '../alice', 'A*', '', 42, { $ne: null }]) {
+      const e = await failure(bob.request('call', { session, tool: 'read', args: { filePath: 'a' } }));
+      expect(e.code).toBe('bad_request');
+    }
+    for (const id of ['x'.repeat(65), '../../etc', 'UPPER', 'hutch:broker:b1']) expect((await failure(bob.create({ id }))).code).toBe('bad_request');
+    bob.close();
+    expect(await cluster.catalog.command('DBSIZE')).toBe(before);
+  });
+
   it('at a broker, the principal header with a tenant token is ignored: the connection stays that tenant', async () => {
     const r = await upgrade(b1.url.replace(/^ws/, 'ws'), { authorization: `Bearer ${TENANTS.bob}`, [PRINCIPAL_HEADER]: 'alice' });
     expect(r).toEqual({ status: 101, principal: 'bob' });

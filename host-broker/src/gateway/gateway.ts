@@ -22,7 +22,7 @@ import type { AddressInfo } from 'node:net';
 import { Counter, Gauge, Registry } from 'prom-client';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { CreateParams, HARNESS_API_VERSION, type OpName } from '../api/harness-protocol.ts';
+import { AttachParams, CreateParams, HARNESS_API_VERSION, type OpName } from '../api/harness-protocol.ts';
 import type { Principals } from '../api/principals.ts';
 import { WsServer, bearer, DEFAULT_WS_LIMITS, type OpContext, type WsLimits } from '../api/ws-server.ts';
 import { loopbackUrl, McpHttpEndpoint } from '../mcp/http.ts';
@@ -60,6 +60,16 @@ const ENTRY_CACHE_MAX = 100_000;
 
 /** An upstream idle this long (no request in flight) is closed. */
 const UPSTREAM_IDLE_MS = 60_000;
+
+/**
+ * A session id as the protocol defines it, checked before it becomes a catalog key: a tenant
+ * cannot make the gateway or Redis handle a key of megabytes or of another shape.
+ */
+function sessionIdOf(v: unknown): string {
+  const r = AttachParams.shape.session.safeParse(v);
+  if (!r.success) throw new HutchError('bad_request', `invalid session: ${r.error.issues[0]?.message}`);
+  return r.data;
+}
 
 /**
  * The client connection a request came on, where the WebSocket server tells it (streams are
@@ -172,7 +182,7 @@ export class Gateway {
     try {
       let r: unknown;
       if (op === 'create') r = await this.create(p, ctx);
-      else if (typeof p['session'] === 'string') r = await this.forwardToSession(p['session'], op, raw, ctx);
+      else if (p['session'] !== undefined) r = await this.forwardToSession(sessionIdOf(p['session']), op, raw, ctx);
       else if (op === 'sessions') r = await this.listSessions(ctx);
       else throw new HutchError('bad_request', `op ${op} without a session cannot be routed by the gateway (give a session, or use a broker directly)`, { op });
       this.requests.inc({ op, outcome: 'ok' });
