@@ -16,6 +16,7 @@ import { DaemonSet } from 'kubernetes-models/apps/v1/DaemonSet';
 import { Deployment } from 'kubernetes-models/apps/v1/Deployment';
 import { StatefulSet } from 'kubernetes-models/apps/v1/StatefulSet';
 import { PodDisruptionBudget } from 'kubernetes-models/policy/v1/PodDisruptionBudget';
+import { NetworkPolicy } from 'kubernetes-models/networking.k8s.io/v1/NetworkPolicy';
 
 const repo = resolve(import.meta.dirname, '..');
 const base = resolve(repo, 'deploy/kubernetes');
@@ -28,6 +29,7 @@ const MODELS: Record<string, new (o: never) => { validate(): void }> = {
   'apps/v1/Deployment': Deployment,
   'apps/v1/StatefulSet': StatefulSet,
   'policy/v1/PodDisruptionBudget': PodDisruptionBudget,
+  'networking.k8s.io/v1/NetworkPolicy': NetworkPolicy,
 };
 
 /** kubectl kustomize (kubectl >= 1.14, e.g. Debian's kubernetes-client), else a standalone kustomize. */
@@ -111,6 +113,13 @@ describe.skipIf(!render)('deploy/kubernetes', () => {
       const secrets = (pod(o).spec.volumes ?? []).filter((v) => v.secret).map((v) => v.secret?.secretName);
       expect(secrets).toEqual(['hutch-secrets']);
     }
+    // Only hutch's own pods reach the catalog, and only gateways a broker's harness port.
+    const from = (name: string) =>
+      ((find('NetworkPolicy', name).spec as { ingress: Array<{ from?: Array<{ podSelector: { matchLabels: Record<string, string> } }> }> }).ingress ?? [])
+        .flatMap((r) => r.from ?? [])
+        .map((f) => f.podSelector.matchLabels['app.kubernetes.io/name']);
+    expect(from('hutch-redis').sort()).toEqual(['hutch-broker', 'hutch-gateway']);
+    expect(from('hutch-broker')).toEqual(['hutch-gateway']);
     // No token in the rendered base: they come from the Secret only.
     expect(JSON.stringify(objects)).not.toMatch(/token=[^/]/);
   });
