@@ -9,7 +9,7 @@ import { existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { Hutch, HutchError } from '../host-broker/src/sdk/index.ts';
+import { Hutch, HutchError, type TelemetryEvent } from '../host-broker/src/sdk/index.ts';
 import { Catalog } from '../host-broker/src/catalog/catalog.ts';
 import { place } from '../host-broker/src/gateway/placement.ts';
 import { clusterSkipReason, GATEWAY_CREDENTIAL, startCluster, TENANTS, type Broker, type Cluster, type GatewayProc } from './helpers/cluster.ts';
@@ -154,6 +154,17 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
     const e = await failure(h.request('create', { template: 'no-such-template' }));
     expect(e.code).toBe('unavailable');
     expect(e.context?.['template']).toBe('no-such-template');
+    // Telemetry of all sessions: every broker's subscription, relayed; cancelling ends them all.
+    const events: TelemetryEvent[] = [];
+    const r = await h.telemetry({ intervalMs: 100, count: 2, onSample: (ev) => events.push(ev) });
+    expect(r.samples).toBe(6);
+    expect(events).toHaveLength(6);
+    const seen = new Set(events.flatMap((ev) => ev.sessions.map((x) => x.session)));
+    for (const id of placed.keys()) expect(seen.has(id)).toBe(true);
+    const ac = new AbortController();
+    let got = 0;
+    const sub = h.telemetry({ intervalMs: 100, signal: ac.signal, onSample: () => ++got === 3 && ac.abort() });
+    expect((await sub).cancelled).toBe(true);
     // sessions is asked of every broker: the list through a gateway holds every placed session.
     const listed = new Set((await h.sessions()).map((x) => x.session));
     for (const id of placed.keys()) expect(listed.has(id)).toBe(true);

@@ -5,8 +5,9 @@
  *
  * Routing is by the `session` field of a request's params, whatever the op: an op added to
  * the protocol later is forwarded without a change here. `create` is placed (sampled load,
- * template), `sessions` is asked of every live broker; any other op without a session has
- * no broker to go to and is refused.
+ * template); `sessions` and `telemetry` without a session are asked of every live broker; any
+ * other op without a session has no broker to go to and is refused. Not forwarded yet: the
+ * E2B surface (it names sandboxes in paths and hosts; it answers 501 here).
  *
  * Failure semantics:
  * - a gateway dies: it held nothing; a client reconnects to another and attaches by id.
@@ -184,6 +185,7 @@ export class Gateway {
       if (op === 'create') r = await this.create(p, ctx);
       else if (p['session'] !== undefined) r = await this.forwardToSession(sessionIdOf(p['session']), op, raw, ctx);
       else if (op === 'sessions') r = await this.listSessions(ctx);
+      else if (op === 'telemetry') r = await this.telemetryAll(raw, ctx);
       else throw new HutchError('bad_request', `op ${op} without a session cannot be routed by the gateway (give a session, or use a broker directly)`, { op });
       this.requests.inc({ op, outcome: 'ok' });
       return r;
@@ -272,14 +274,31 @@ export class Gateway {
 
   /** Forwards one request and relays its streamed output, events and signals. */
   private async forward(u: Upstream, op: string, raw: unknown, ctx: OpContext): Promise<unknown> {
-    const { id, result } = u.request(op, raw, { out: (fd, d) => ctx.out(fd, d), event: (d) => ctx.event(d) });
-    ctx.onSignal(async (sig) => ((await u.request('signal', { call: id, signal: sig }).result) as { delivered: boolean }).delivered);
+    return this.forwardAll([u], op, raw, ctx).then(([r]) => {
+      if (r?.e) throw r.e;
+      return r?.r;
+    });
+  }
+
+  /**
+   * Sends one request to several brokers (one, usually) as a single call of the client's: output
+   * and events are relayed as they come, a signal goes to every part, and each part's answer
+   * (or error) is returned in order.
+   */
+  private async forwardAll(ups: Upstream[], op: string, raw: unknown, ctx: OpContext): Promise<Array<{ r?: unknown; e?: unknown }>> {
+    const parts = ups.map((u) => ({ u, ...u.request(op, raw, { out: (fd, d) => ctx.out(fd, d), event: (d) => ctx.event(d) }) }));
+    ctx.onSignal(async (sig) => {
+      const answers = await Promise.all(parts.map(({ u, id }) => u.request('signal', { call: id, signal: sig }).result.then((r) => (r as { delivered: boolean }).delivered, () => false)));
+      return answers.some(Boolean);
+    });
     // SIGKILL, or the client going away, cancels the call on the broker; its answer still comes back through here.
-    const cancel = () => void u.request('signal', { call: id, signal: 'SIGKILL' }).result.catch(() => undefined);
+    const cancel = () => {
+      for (const { u, id } of parts) void u.request('signal', { call: id, signal: 'SIGKILL' }).result.catch(() => undefined);
+    };
     if (ctx.signal.aborted) cancel();
     else ctx.signal.addEventListener('abort', cancel, { once: true });
     try {
-      return await result;
+      return await Promise.all(parts.map(({ result }) => result.then((r) => ({ r }), (e: unknown) => ({ e }))));
     } finally {
       ctx.signal.removeEventListener('abort', cancel);
     }
@@ -379,20 +398,35 @@ export class Gateway {
     }
   }
 
+  /** Asks every live broker; the answers of those that answered, and the ids of those that did not. */
+  private async fanOut(op: string, raw: unknown, ctx: OpContext): Promise<{ answers: unknown[]; unavailable: string[] }> {
+    const brokers = await this.liveBrokers(true);
+    const reached = await Promise.all(brokers.map((b) => this.upstream(ctx, b).then((u) => ({ b, u }), () => ({ b, u: undefined }))));
+    const ups = reached.filter((x): x is { b: BrokerRecord; u: Upstream } => x.u !== undefined);
+    const results = await this.forwardAll(
+      ups.map((x) => x.u),
+      op,
+      raw,
+      ctx,
+    );
+    const unavailable = [...reached.filter((x) => !x.u).map((x) => x.b.id), ...ups.filter((_, i) => results[i]?.e !== undefined).map((x) => x.b.id)];
+    return { answers: results.filter((x) => x.e === undefined).map((x) => x.r), unavailable };
+  }
+
   /** Every live broker's list of this principal's sessions; brokers that did not answer are named. */
   private async listSessions(ctx: OpContext): Promise<{ sessions: unknown[]; unavailable?: string[] }> {
-    const brokers = await this.liveBrokers(true);
-    const answers = await Promise.all(
-      brokers.map(async (b) => {
-        try {
-          const u = await this.upstream(ctx, b);
-          return { b, r: (await this.forward(u, 'sessions', {}, ctx)) as { sessions: unknown[] } };
-        } catch {
-          return { b, r: undefined };
-        }
-      }),
-    );
-    const missing = answers.filter((a) => !a.r).map((a) => a.b.id);
-    return { sessions: answers.flatMap((a) => a.r?.sessions ?? []), ...(missing.length ? { unavailable: missing } : {}) };
+    const { answers, unavailable } = await this.fanOut('sessions', {}, ctx);
+    return { sessions: answers.flatMap((a) => (a as { sessions?: unknown[] }).sessions ?? []), ...(unavailable.length ? { unavailable } : {}) };
+  }
+
+  /**
+   * Telemetry of all the principal's sessions: a subscription on every live broker, each
+   * broker's events relayed as they come (so one event per broker per interval, each with
+   * that broker's sessions); cancelling the call cancels them all.
+   */
+  private async telemetryAll(raw: unknown, ctx: OpContext): Promise<{ samples: number; cancelled: boolean; unavailable?: string[] }> {
+    const { answers, unavailable } = await this.fanOut('telemetry', raw, ctx);
+    const rs = answers as Array<{ samples: number; cancelled: boolean }>;
+    return { samples: rs.reduce((n, r) => n + r.samples, 0), cancelled: rs.some((r) => r.cancelled), ...(unavailable.length ? { unavailable } : {}) };
   }
 }
