@@ -14,6 +14,7 @@ import type { VmBackend } from './backends/backend.ts';
 import { initRouter } from './router/index.ts';
 import { privateDir, SessionManager } from './sessions/session-manager.ts';
 import type { FastPathRunner } from './tools/fastpath-runner.ts';
+import { FileStreams, isStreamOp } from './tools/file-stream.ts';
 import { Admission, type AdmissionOptions } from './admission.ts';
 import { BrokerMetrics } from './metrics.ts';
 import { availableParallelism, totalmem } from 'node:os';
@@ -123,6 +124,8 @@ export class Broker {
   readonly admission: Admission;
   readonly policy: SandboxPolicy;
   private server: WsServer | undefined;
+  /** Streamed uploads and downloads (made with the server, which holds their limits). */
+  private streams: FileStreams | undefined;
   private metricsServer: Server | undefined;
   /** MCP over Streamable HTTP at /mcp: the same tokens, reaching the WebSocket API through the SDK. */
   private readonly mcp: McpHttpEndpoint;
@@ -298,6 +301,10 @@ export class Broker {
   private async handle(op: OpName, raw: unknown, ctx: OpContext): Promise<unknown> {
     if (this.draining) throw drainingError(this.cluster?.id);
     const who = ctx.principal;
+    if (isStreamOp(op)) {
+      this.streams ??= new FileStreams((this.server as WsServer).limits, this.opts.log);
+      return this.streams.handle(op, raw, ctx, (id) => this.sessions.get(id, who));
+    }
     switch (op) {
       case 'create': {
         const s = await this.sessions.create(params('create', raw), who);

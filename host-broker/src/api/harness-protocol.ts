@@ -75,6 +75,45 @@ export const TelemetryParams = z.object({
   count: z.number().int().positive().max(1_000_000).optional(),
 });
 
+// ------------------------------------------------------------ streamed files (file-stream.ts)
+
+/** A stream's id: random, named by the broker, good only on the connection, principal and session that opened it. */
+const streamId = z.string().regex(/^[A-Za-z0-9_-]{8,64}$/, 'stream ids are 8-64 letters, digits, - and _');
+/** Chunk bytes: raw in msgpack frames, base64 in JSON text frames (which cannot carry bytes). */
+const chunkData = z.union([z.custom<Uint8Array>((v) => v instanceof Uint8Array, 'expected bytes'), z.string()]);
+const streamPath = z.string().min(1).max(4096);
+/** Opens a streamed upload; answered with the stream id, the credit window and the largest chunk. */
+export const UploadParams = z.object({
+  session: sessionId,
+  path: streamPath,
+  /** Permission bits of the file (no set-ID bits); default the replaced file's, else 0644. */
+  mode: z.number().int().min(0).max(0o777).optional(),
+  /** Total size, when known: refused up front if above a limit, and checked at commit. */
+  size: z.number().int().nonnegative().optional(),
+});
+/** One chunk at `offset` (the bytes sent so far); answered once written, which returns its bytes of credit. */
+export const UploadChunkParams = z.object({ session: sessionId, stream: streamId, offset: z.number().int().nonnegative(), data: chunkData });
+/** Ends an upload: the temp file is renamed over the path (atomic); `sha256` of the whole file, if given, must match. */
+export const UploadCommitParams = z.object({ session: sessionId, stream: streamId, sha256: z.string().regex(/^[0-9a-f]{64}$/).optional() });
+export const UploadAbortParams = z.object({ session: sessionId, stream: streamId });
+/** A streamed download: `evt` frames, first `{ stream, size, window, chunkBytes }`, then `{ offset, data }`; the answer ends it. */
+export const DownloadParams = z.object({ session: sessionId, path: streamPath });
+/** The bytes of a download the client has consumed (cumulative): each ack returns that much credit. */
+export const DownloadAckParams = z.object({ session: sessionId, stream: streamId, bytes: z.number().int().nonnegative() });
+
+export const UploadOpenResultSchema = z.object({ stream: z.string(), window: z.number(), chunkBytes: z.number(), maxBytes: z.number() });
+export const UploadCommitResultSchema = z.object({
+  path: z.string(),
+  bytes: z.number(),
+  created: z.boolean(),
+  sha256: z.string(),
+  /** Most bytes the broker held received and not yet acknowledged (never above the window). */
+  peakUnackedBytes: z.number(),
+});
+export const DownloadStartSchema = z.object({ stream: z.string(), size: z.number(), window: z.number(), chunkBytes: z.number() });
+export const DownloadChunkSchema = z.object({ offset: z.number(), data: chunkData });
+export const DownloadResultSchema = z.object({ bytes: z.number(), sha256: z.string(), peakUnackedBytes: z.number() });
+
 export const OPS = {
   create: CreateParams,
   attach: AttachParams,
@@ -84,6 +123,12 @@ export const OPS = {
   hint: HintParams,
   sessions: SessionsParams,
   telemetry: TelemetryParams,
+  upload: UploadParams,
+  uploadChunk: UploadChunkParams,
+  uploadCommit: UploadCommitParams,
+  uploadAbort: UploadAbortParams,
+  download: DownloadParams,
+  downloadAck: DownloadAckParams,
 } as const;
 export type OpName = keyof typeof OPS;
 

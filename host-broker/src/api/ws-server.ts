@@ -26,6 +26,10 @@ export interface OpContext {
   event(data: unknown): void;
   /** A call that runs a command registers how to send it a signal; the `signal` op then delivers the one asked. */
   onSignal(send: (sig: SignalName) => Promise<boolean>): void;
+  /** The request came in a binary (msgpack) frame: bytes travel as bytes (JSON frames need base64). */
+  binary: boolean;
+  /** The connection: an id for state that outlives one request (a streamed upload), aborted when it closes. */
+  connection: { id: number; closed: AbortSignal };
 }
 
 type SignalName = z.infer<typeof SignalSchema>;
@@ -44,6 +48,18 @@ export interface WsLimits {
   maxConnectionsPerPrincipal: number;
   /** Unfinished requests per connection before the broker stops reading that socket. */
   maxInflightPerConnection: number;
+  /**
+   * Streamed uploads and downloads open at once on one connection (file-stream.ts). With the
+   * window, it bounds what one connection's downloads can have queued (8 x 8 MiB, the size of
+   * one largest frame); uploads are bounded by maxInflightPerConnection chunks of 1 MiB.
+   */
+  maxStreamsPerConnection: number;
+  /** Credit of one stream: bytes sent and not yet acknowledged, at most. */
+  streamWindowBytes: number;
+  /** A stream with no chunk (upload) or acknowledgement (download) for this long is dropped. */
+  streamIdleMs: number;
+  /** Largest streamed file (also capped by the session's workspace quota). */
+  maxStreamedFileBytes: number;
 }
 
 export const DEFAULT_WS_LIMITS: WsLimits = {
@@ -52,6 +68,10 @@ export const DEFAULT_WS_LIMITS: WsLimits = {
   maxUnauthenticated: 256,
   maxConnectionsPerPrincipal: 32,
   maxInflightPerConnection: 64,
+  maxStreamsPerConnection: 8,
+  streamWindowBytes: 8 * 1024 * 1024,
+  streamIdleMs: 60_000,
+  maxStreamedFileBytes: 4 * 1024 * 1024 * 1024,
 };
 
 export interface WsServerOptions {
@@ -94,6 +114,7 @@ export class WsServer {
   private readonly pending = new Map<Socket, NodeJS.Timeout>();
   private readonly perPrincipal = new Map<string, number>();
   private readonly principalOf = new WeakMap<IncomingMessage, string>();
+  private connectionSeq = 0;
 
   constructor(private readonly opts: WsServerOptions) {
     this.limits = { ...DEFAULT_WS_LIMITS, ...opts.limits };
@@ -224,6 +245,7 @@ export class WsServer {
     const inflight = new Map<number, AbortController>();
     const signallers = new Map<number, (sig: SignalName) => Promise<boolean>>();
     const maxInflight = this.limits.maxInflightPerConnection;
+    const connection = { id: ++this.connectionSeq, ac: new AbortController() };
     log.info('ws.connected');
     const send = (value: unknown, binary: boolean) => {
       if (ws.readyState !== ws.OPEN) return;
@@ -282,6 +304,8 @@ export class WsServer {
         },
         event: (d) => send({ t: 'evt', call: id, d }, isBinary),
         onSignal: (deliver) => void signallers.set(id, deliver),
+        binary: isBinary,
+        connection: { id: connection.id, closed: connection.ac.signal },
       };
       const signalOf = (callId: number) => {
         const ac = inflight.get(callId);
@@ -308,6 +332,7 @@ export class WsServer {
       else this.perPrincipal.delete(principal);
       log.info('ws.closed', { inflight: inflight.size });
       for (const ac of inflight.values()) ac.abort(new HutchError('cancelled', 'client disconnected'));
+      connection.ac.abort(new HutchError('cancelled', 'client disconnected'));
     });
     ws.on('error', (err) => log.warn('ws.error', { error: err.message }));
   }

@@ -8,6 +8,7 @@
  *   const r = await sb.run('cat random.txt');   // { exitCode, stdout, stderr, route, addedMs, ... }
  *   await sb.close();
  */
+import { createHash } from 'node:crypto';
 import { Packr } from 'msgpackr';
 import WebSocket from 'ws';
 import { HutchError, type ErrorCode } from '../../../guest-agent/src/protocol/errors.ts';
@@ -26,6 +27,11 @@ import {
   type ToolName,
   type TelemetryEvent,
   TelemetryEventSchema,
+  DownloadChunkSchema,
+  DownloadResultSchema,
+  DownloadStartSchema,
+  UploadCommitResultSchema,
+  UploadOpenResultSchema,
 } from '../api/harness-protocol.ts';
 
 export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName, type TelemetryEvent };
@@ -85,6 +91,42 @@ export interface RunResult extends CallInfo {
   truncated: boolean;
 }
 
+/** Progress of a streamed transfer: bytes sent (or received) and acknowledged so far. */
+export interface TransferProgress {
+  bytes: number;
+  acked: number;
+  /** The whole size, when known. */
+  total?: number;
+}
+
+export interface UploadOptions {
+  /** Permission bits (no set-ID bits); default the replaced file's, else 0644. */
+  mode?: number;
+  /** The total size, when known: refused up front when above the broker's limit or the quota. */
+  size?: number;
+  onProgress?: (p: TransferProgress) => void;
+  /** Aborts the upload: nothing is left in the workspace. */
+  signal?: AbortSignal;
+}
+
+export interface UploadResult {
+  path: string;
+  bytes: number;
+  created: boolean;
+  sha256: string;
+  /** Most bytes the broker held unacknowledged. */
+  peakUnackedBytes: number;
+  /** Most bytes this client had sent and not yet seen acknowledged (never above the window). */
+  clientPeakUnackedBytes: number;
+  window: number;
+}
+
+export interface DownloadOptions {
+  onProgress?: (p: TransferProgress) => void;
+  /** Cancels the download (as does leaving a for-await loop early). */
+  signal?: AbortSignal;
+}
+
 /** A file tool's result (e.g. `content` of a read, `matches` of a grep) with its {@link CallInfo}. */
 export type FileResult<M extends MethodName> = ResultOf<M> & CallInfo;
 
@@ -113,7 +155,8 @@ export class Hutch {
 
   private constructor(
     private readonly ws: WebSocket,
-    private readonly binary: boolean,
+    /** @internal msgpack frames (bytes as bytes); JSON frames carry stream chunks as base64. */
+    readonly binary: boolean,
   ) {
     ws.on('message', (data: WebSocket.RawData, isBinary: boolean) => this.onMessage(data, isBinary));
     ws.on('close', (code, reason) => this.fail(new HutchError('connection_closed', `broker connection closed (${code}${reason.length ? `: ${reason.toString()}` : ''})`)));
@@ -232,6 +275,31 @@ export class Hutch {
   }
 }
 
+/** Chunks of at most `max` bytes: big pieces split, small ones (a Readable's 64 KiB) joined. */
+async function* rechunk(source: AsyncIterable<Uint8Array> | Uint8Array, max: number): AsyncGenerator<Uint8Array> {
+  if (source instanceof Uint8Array) {
+    for (let i = 0; i < source.length; i += max) yield source.subarray(i, Math.min(source.length, i + max));
+    return;
+  }
+  let parts: Uint8Array[] = [];
+  let held = 0;
+  for await (const piece of source) {
+    let rest = typeof piece === 'string' ? Buffer.from(piece) : piece;
+    while (rest.length > 0) {
+      const take = Math.min(rest.length, max - held);
+      parts.push(rest.subarray(0, take));
+      held += take;
+      rest = rest.subarray(take);
+      if (held === max) {
+        yield Buffer.concat(parts);
+        parts = [];
+        held = 0;
+      }
+    }
+  }
+  if (held > 0) yield Buffer.concat(parts);
+}
+
 export class Sandbox {
   readonly id: string;
 
@@ -251,7 +319,117 @@ export class Sandbox {
     glob: (pattern: string, o: { path?: string } = {}) => this.tool<'fs.glob'>('glob', { pattern, ...o }),
     grep: (pattern: string, o: { path?: string; include?: string } = {}) => this.tool<'fs.grep'>('grep', { pattern, ...o }),
     list: (path?: string, o: { ignore?: string[] } = {}) => this.tool<'fs.list'>('list', { ...(path ? { path } : {}), ...o }),
+    /**
+     * Streams a file of any size (up to the broker's streamed limit and the quota) into the
+     * workspace, in chunks under the broker's credit window; the file appears whole at the end
+     * or not at all.
+     */
+    upload: (path: string, source: AsyncIterable<Uint8Array> | Uint8Array, o: UploadOptions = {}) => this.upload(path, source, o),
+    /** Streams a workspace file out, one chunk at a time, only as fast as the loop takes them. */
+    download: (path: string, o: DownloadOptions = {}) => this.download(path, o),
   };
+
+  private async upload(path: string, source: AsyncIterable<Uint8Array> | Uint8Array, o: UploadOptions): Promise<UploadResult> {
+    const h = this.hutch;
+    const open = UploadOpenResultSchema.parse(await h.request('upload', { session: this.id, path, ...(o.mode !== undefined ? { mode: o.mode } : {}), ...(o.size !== undefined ? { size: o.size } : {}) }));
+    const { stream, window } = open;
+    const hash = createHash('sha256');
+    let sent = 0;
+    let acked = 0;
+    let peak = 0;
+    let failure: unknown;
+    let wake: (() => void) | undefined;
+    const inFlight = new Set<Promise<void>>();
+    const abort = () => {
+      failure ??= new HutchError('cancelled', 'upload aborted');
+      wake?.();
+    };
+    o.signal?.addEventListener('abort', abort, { once: true });
+    try {
+      for await (const chunk of rechunk(source, Math.min(open.chunkBytes, window))) {
+        // Credit: never more than the window sent and unanswered.
+        while (!failure && sent - acked + chunk.length > window) await new Promise<void>((r) => (wake = r));
+        if (failure) throw failure;
+        hash.update(chunk);
+        const len = chunk.length;
+        const p = h
+          .request('uploadChunk', { session: this.id, stream, offset: sent, data: h.binary ? chunk : Buffer.from(chunk).toString('base64') })
+          .then(
+            () => {
+              acked += len;
+              o.onProgress?.({ bytes: sent, acked, ...(o.size !== undefined ? { total: o.size } : {}) });
+            },
+            (err: unknown) => void (failure ??= err),
+          )
+          .finally(() => {
+            inFlight.delete(p);
+            wake?.();
+          });
+        inFlight.add(p);
+        sent += len;
+        peak = Math.max(peak, sent - acked);
+      }
+      await Promise.all(inFlight);
+      if (failure) throw failure;
+      const r = UploadCommitResultSchema.parse(await h.request('uploadCommit', { session: this.id, stream, sha256: hash.digest('hex') }));
+      return { ...r, clientPeakUnackedBytes: peak, window };
+    } catch (err) {
+      await Promise.allSettled(inFlight);
+      await h.request('uploadAbort', { session: this.id, stream }).catch(() => undefined); // gone already when the broker ended it
+      throw err;
+    } finally {
+      o.signal?.removeEventListener('abort', abort);
+    }
+  }
+
+  private async *download(path: string, o: DownloadOptions): AsyncGenerator<Buffer, { bytes: number; sha256: string; peakUnackedBytes: number } | undefined> {
+    const h = this.hutch;
+    const queue: Buffer[] = [];
+    let wake: (() => void) | undefined;
+    let stream: string | undefined;
+    let size: number | undefined;
+    let settled: { ok: true; r: unknown } | { ok: false; e: unknown } | undefined;
+    const ac = new AbortController();
+    const onAbort = () => ac.abort(o.signal?.reason);
+    o.signal?.addEventListener('abort', onAbort, { once: true });
+    h.request('download', { session: this.id, path }, undefined, ac.signal, (d) => {
+      const start = DownloadStartSchema.safeParse(d);
+      if (start.success) {
+        stream = start.data.stream;
+        size = start.data.size;
+      } else {
+        const c = DownloadChunkSchema.parse(d);
+        queue.push(typeof c.data === 'string' ? Buffer.from(c.data, 'base64') : Buffer.from(c.data.buffer, c.data.byteOffset, c.data.byteLength));
+      }
+      wake?.();
+    }).then(
+      (r) => void (settled = { ok: true, r }),
+      (e: unknown) => void (settled = { ok: false, e }),
+    ).finally(() => wake?.());
+    let got = 0;
+    try {
+      for (;;) {
+        const chunk = queue.shift();
+        if (chunk) {
+          yield chunk;
+          // Taken by the consumer: that much credit back.
+          got += chunk.length;
+          if (stream) void h.request('downloadAck', { session: this.id, stream, bytes: got }).catch(() => undefined);
+          o.onProgress?.({ bytes: got, acked: got, ...(size !== undefined ? { total: size } : {}) });
+          continue;
+        }
+        if (settled) {
+          if (!settled.ok) throw settled.e;
+          return DownloadResultSchema.parse(settled.r);
+        }
+        await new Promise<void>((r) => (wake = r));
+        wake = undefined;
+      }
+    } finally {
+      o.signal?.removeEventListener('abort', onAbort);
+      if (!settled) ac.abort(); // left early: the broker stops sending
+    }
+  }
 
   /** Runs a shell command (bash -c) with streamed output. */
   async run(command: string, o: RunOptions = {}): Promise<RunResult> {
