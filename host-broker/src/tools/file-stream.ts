@@ -279,13 +279,17 @@ class Upload {
     if (p.size !== undefined && p.size > limit) throw tooLarge(p.path, p.size, limit);
     await s.quota.current(); // plan() below needs a measured usage
     let dirFd: number | undefined;
+    let planned = false;
     const r = ws.open(p.path, { missing: 'parents' });
     try {
       if (r.isRoot || r.stat?.isDirectory()) throw new HutchError('is_a_directory', `${p.path} is a directory`, { path: p.path });
       if (r.stat && !r.stat.isFile()) throw new HutchError('bad_request', `${p.path} is not a regular file`, { path: p.path });
       const newDirs = r.stat ? 0 : Math.max(0, r.missingDepth - 1);
       // The new directories count now (refused before any is made); the file's bytes as they arrive.
-      if (newDirs > 0) s.quota.plan({ path: p.path, dirs: newDirs });
+      if (newDirs > 0) {
+        s.quota.plan({ path: p.path, dirs: newDirs });
+        planned = true;
+      }
       const parts = r.rel.split('/');
       const madeDirs = Array.from({ length: newDirs }, (_, i) => parts.slice(0, parts.length - 1 - newDirs + i + 1).join('/'));
       r.makeParents(DEFAULT_DIR_MODE, undefined);
@@ -295,6 +299,7 @@ class Upload {
       return new Upload(owner, ws, s.quota, dirFd, Buffer.from(r.name), ws.display(r.rel), madeDirs, mode, limit, p.size, limits, onClosed);
     } catch (err) {
       if (dirFd !== undefined) closeQuietly(dirFd);
+      if (planned) s.quota.stale(); // planned directories that may not all exist
       throw toHutchError(err, { path: p.path });
     } finally {
       r.close();
@@ -327,6 +332,7 @@ class Upload {
       await this.feed.push(data);
       if (this.failed) throw this.failed;
       this.unacked -= data.length;
+      this.arm(); // a slow disk is not an idle client
       return end;
     });
   }
