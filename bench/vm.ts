@@ -14,6 +14,8 @@
  *   tcg_tb_size_mib          the buffer size QEMU ran with (its command line)
  *   guest_ram_private_mib    of private_mib_excl_tcg: guest RAM copied on write since the restore,
  *   qemu_own_private_mib_excl_tcg   and the rest (QEMU's heap, TCG block metadata, stacks)
+ *   *_idle_policy            the same 10 VMs once told `idle` (mem.policy, with dropCaches) as the
+ *                            broker tells a VM it keeps, after free page reporting settled
  *   tb_<N>_run_ms            at tb-size N MiB (64, 32, 16; same run): wall time of the first
  *                            `python3 -m unittest` on datespan in a restored VM, median of rounds,
  *                            with tb_<N>_resident_mib the buffer resident after it and
@@ -105,6 +107,11 @@ for (const x of idle) {
 }
 await new Promise((r) => setTimeout(r, 5000));
 const afterCall: QemuMemory[] = await Promise.all(idle.map((x) => qemuMemory(x.vm.pid, pristine.memory)));
+// The same VMs told they are idle, as the broker tells a VM it keeps (release decision
+// reclaim): the guest's own policy reclaims the workload, drops the clean page cache and
+// reports every free page, which QEMU drops from its copy-on-write copy of guest RAM.
+const idleOutcomes = await Promise.all(idle.map((x) => x.agent.call('mem.policy', { state: 'idle', steps: { dropCaches: true } })));
+const afterIdlePolicy = await settledMemory(idle.map((x) => x.vm.pid));
 const tbSizeMiB = Number(/tb-size=(\d+)/.exec(readFileSync(`/proc/${idle[0]?.vm.pid}/cmdline`, 'utf8'))?.[1] ?? NaN);
 for (const x of idle) {
   x.agent.close();
@@ -128,8 +135,31 @@ const after = {
   swap_mib_after_call: mib((m) => m.total.swapKiB),
   tcg_tb_size_mib: tbSizeMiB,
 };
+const idleMib = (f: (m: QemuMemory) => number) => round(median(afterIdlePolicy.map((m) => f(m) / 1024)), 1);
+const afterIdle = {
+  private_mib_excl_tcg_idle_policy: idleMib((m) => m.excludingTcg.privateKiB),
+  guest_ram_private_mib_idle_policy: idleMib((m) => m.guestRam.privateKiB),
+  qemu_own_private_mib_excl_tcg_idle_policy: idleMib((m) => m.excludingTcg.privateKiB - m.guestRam.privateKiB),
+  pss_mib_excl_tcg_idle_policy: idleMib((m) => m.excludingTcg.pssKiB),
+  idle_policy_reclaimed_mib: round(median(idleOutcomes.map((o) => (o.reclaim?.reclaimedBytes ?? 0) / 2 ** 20)), 1),
+};
 progress(`10 idle VMs: private ${median(privMiB).toFixed(1)} MiB, PSS ${median(pssMiB).toFixed(1)} MiB, RSS ${median(rssMiB).toFixed(1)} MiB each`);
 progress(`after a call: ${JSON.stringify(after)}`);
+progress(`after a call and the guest's idle policy: ${JSON.stringify(afterIdle)}`);
+
+/** QEMU memory of each pid once free page reporting settled (reports come in passes 2 s apart): 4 s without change. */
+async function settledMemory(pids: number[]): Promise<QemuMemory[]> {
+  await new Promise((r) => setTimeout(r, 6000));
+  let last = await Promise.all(pids.map((pid) => qemuMemory(pid, pristine.memory)));
+  for (let stable = 0, i = 0; stable < 4 && i < 40; i++) {
+    await new Promise((r) => setTimeout(r, 1000));
+    const now = await Promise.all(pids.map((pid) => qemuMemory(pid, pristine.memory)));
+    const moved = now.some((m, j) => Math.abs(m.excludingTcg.privateKiB - (last[j] as QemuMemory).excludingTcg.privateKiB) > 512);
+    stable = moved ? 0 : stable + 1;
+    last = now;
+  }
+  return last;
+}
 
 /**
  * Guest CPU (user+sys, ms) of `python3 -m unittest` on datespan, first and second run, in
@@ -239,6 +269,7 @@ const summary = {
   pss_mib_per_idle_vm: round(median(pssMiB), 1),
   rss_mib_per_idle_vm: round(median(rssMiB), 1),
   ...after,
+  ...afterIdle,
   ...tbSummary,
   unittest_cpu_ms_preloaded: round(preloaded.first, 0),
   unittest_cpu_ms_cold: round(coldPy.first, 0),
@@ -262,6 +293,7 @@ emit(
     { measure: 'PSS MiB per idle VM after a call', value: summary.pss_mib_after_call, aim: '' },
     { measure: `TCG translation buffer resident MiB after a call (tb-size ${summary.tcg_tb_size_mib})`, value: summary.tcg_tb_mib, aim: '' },
     { measure: 'private MiB per idle VM after a call, TCG buffer excluded', value: summary.private_mib_excl_tcg, aim: '<= 16' },
+    { measure: "the same after the guest's idle policy (reclaim, drop caches, free pages reported)", value: summary.private_mib_excl_tcg_idle_policy, aim: '<= 16' },
     ...TB_SIZES.filter((tb) => `tb_${tb}_run_ms` in tbSummary).map((tb) => ({ measure: `unittest run ms at tb-size ${tb} (resident MiB ${tbSummary[`tb_${tb}_resident_mib`]}, buffer flushes ${tbSummary[`tb_${tb}_flushes`]})`, value: tbSummary[`tb_${tb}_run_ms`] ?? null, aim: '' })),
     { measure: 'unittest guest CPU ms, preloaded', value: summary.unittest_cpu_ms_preloaded, aim: '' },
     { measure: 'unittest guest CPU ms, no preload (image bytecode only)', value: summary.unittest_cpu_ms_cold, aim: 'preload <= half' },

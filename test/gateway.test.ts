@@ -10,6 +10,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Hutch, HutchError, type TelemetryEvent } from '../host-broker/src/sdk/index.ts';
+import { Sandbox as E2bSandbox } from 'e2b';
 import { Catalog } from '../host-broker/src/catalog/catalog.ts';
 import { place } from '../host-broker/src/gateway/placement.ts';
 import { clusterSkipReason, GATEWAY_CREDENTIAL, startCluster, TENANTS, type Broker, type Cluster, type GatewayProc } from './helpers/cluster.ts';
@@ -169,6 +170,29 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
     const listed = new Set((await h.sessions()).map((x) => x.session));
     for (const id of placed.keys()) expect(listed.has(id)).toBe(true);
     h.close();
+  }, 60_000);
+
+  it('the E2B SDK works through the gateways: a sandbox made via one is used and killed via the other', async () => {
+    const opts = (g: GatewayProc, apiKey: string) => ({ apiKey, apiUrl: `${g.url.replace(/^ws/, 'http')}/e2b/api`, sandboxUrl: `${g.url.replace(/^ws/, 'http')}/e2b/envd` });
+    const sbx = await E2bSandbox.create({ ...opts(g1, TENANTS.alice), envs: { WHO: 'e2b-via-gateway' } });
+    const owner = await brokerOf(sbx.sandboxId);
+    const chunks: string[] = [];
+    const r = await sbx.commands.run('printf %s "$WHO"; echo; echo two', { onStdout: (d) => void chunks.push(d) });
+    expect(r.stdout).toBe('e2b-via-gateway\ntwo\n');
+    expect(chunks.join('')).toBe(r.stdout);
+    await sbx.files.write('/work/e2b.txt', 'written through g1\n');
+    expect(existsSync(join(work, `data-${owner}`, 'sessions', sbx.sandboxId, 'workspace', 'e2b.txt'))).toBe(true);
+    // The other gateway: connect by id, read, list, kill.
+    const again = await E2bSandbox.connect(sbx.sandboxId, opts(g2, TENANTS.alice));
+    expect(await again.files.read('/work/e2b.txt')).toBe('written through g1\n');
+    expect((await again.commands.run('cat e2b.txt')).stdout).toBe('written through g1\n');
+    const listed = await E2bSandbox.list(opts(g2, TENANTS.alice)).nextItems();
+    expect(listed.map((x) => x.sandboxId)).toContain(sbx.sandboxId);
+    // Another principal's key: the sandbox does not exist for it.
+    await expect(E2bSandbox.getInfo(sbx.sandboxId, opts(g2, TENANTS.bob))).rejects.toThrow();
+    await expect(E2bSandbox.connect(sbx.sandboxId, opts(g1, TENANTS.bob))).rejects.toThrow();
+    await again.kill();
+    expect(await cluster.catalog.command('EXISTS', `hutch:session:${sbx.sandboxId}`)).toBe(0);
   }, 60_000);
 
   it('a gateway SIGKILLed mid-run loses no session: the client reconnects to the other one', async () => {

@@ -114,6 +114,33 @@ describe.skipIf(skip !== undefined)('gateway security', () => {
     expect(await cluster.catalog.command('DBSIZE')).toBe(before);
   });
 
+  it("the E2B surface at a gateway: the API key is checked there, another principal's sandbox is missing, envd needs the sandbox's access token", async () => {
+    const http = g1.url.replace(/^ws/, 'http');
+    const api = `${http}/e2b/api`;
+    expect((await fetch(`${api}/sandboxes`, { method: 'POST', body: '{}', headers: { 'content-type': 'application/json' } })).status).toBe(401);
+    expect((await fetch(`${api}/sandboxes`, { headers: { 'x-api-key': GATEWAY_CREDENTIAL } })).status).toBe(401);
+    const bob = { 'x-api-key': TENANTS.bob };
+    expect((await fetch(`${api}/sandboxes/${aliceSession}`, { headers: bob })).status).toBe(404);
+    expect((await fetch(`${api}/sandboxes/${aliceSession}`, { method: 'DELETE', headers: bob })).status).toBe(404);
+    expect((await fetch(`${api}/sandboxes/${encodeURIComponent('../x')}`, { headers: bob })).status).toBe(400);
+    expect(await cluster.catalog.command('EXISTS', `hutch:session:${aliceSession}`)).toBe(1);
+    // An E2B sandbox of alice's: envd by its id alone (no access token, or a wrong one) is refused by the broker that holds it.
+    const made = await fetch(`${api}/sandboxes`, { method: 'POST', body: '{}', headers: { 'content-type': 'application/json', 'x-api-key': TENANTS.alice } });
+    expect(made.status).toBeLessThan(300);
+    const { sandboxID, envdAccessToken } = (await made.json()) as { sandboxID: string; envdAccessToken: string };
+    const files = (token?: string) => fetch(`${http}/e2b/envd/health`, { headers: { 'e2b-sandbox-id': sandboxID, ...(token ? { 'x-access-token': token } : {}) } });
+    const missing = await fetch(`${http}/e2b/envd/health`, { headers: { 'e2b-sandbox-id': 's-000000000000', 'x-access-token': envdAccessToken } });
+    const refusal = { status: missing.status, body: await missing.text() };
+    expect(refusal.status).toBe(502);
+    for (const token of [undefined, `${envdAccessToken.slice(0, -1)}x`, TENANTS.alice]) {
+      const r = await files(token);
+      expect({ status: r.status, body: await r.text() }).toEqual(refusal);
+    }
+    expect((await files(envdAccessToken)).status).toBe(204);
+    expect((await fetch(`${api}/sandboxes/${sandboxID}`, { headers: bob })).status).toBe(404);
+    expect((await fetch(`${api}/sandboxes/${sandboxID}`, { method: 'DELETE', headers: { 'x-api-key': TENANTS.alice } })).status).toBe(204);
+  });
+
   it('at a broker, the principal header with a tenant token is ignored: the connection stays that tenant', async () => {
     const r = await upgrade(b1.url.replace(/^ws/, 'ws'), { authorization: `Bearer ${TENANTS.bob}`, [PRINCIPAL_HEADER]: 'alice' });
     expect(r).toEqual({ status: 101, principal: 'bob' });

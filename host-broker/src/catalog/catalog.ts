@@ -14,6 +14,7 @@
  * client; Redis with a replica (or a managed one) is enough for a map that brokers can rebuild.
  */
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import { AttachParams } from '../api/harness-protocol.ts';
 import { parseRedisUrl, RespClient, type RespValue } from './resp.ts';
 
 export interface BrokerRecord {
@@ -38,6 +39,16 @@ const BROKER_ID = /^[A-Za-z0-9_.-]{1,128}$/;
 export function checkBrokerId(id: string): string {
   if (!BROKER_ID.test(id)) throw new HutchError('bad_request', `broker id ${JSON.stringify(id)}: use 1-128 letters, digits, '.', '_' or '-'`);
   return id;
+}
+
+/**
+ * A session id as the protocol defines it, checked before it becomes a catalog key: a tenant
+ * cannot make a gateway or Redis handle a key of megabytes or of another shape.
+ */
+export function sessionIdOf(v: unknown): string {
+  const r = AttachParams.shape.session.safeParse(v);
+  if (!r.success) throw new HutchError('bad_request', `invalid session: ${r.error.issues[0]?.message}`);
+  return r.data;
 }
 
 export class Catalog {

@@ -6,8 +6,8 @@
  * Routing is by the `session` field of a request's params, whatever the op: an op added to
  * the protocol later is forwarded without a change here. `create` is placed (sampled load,
  * template); `sessions` and `telemetry` without a session are asked of every live broker; any
- * other op without a session has no broker to go to and is refused. Not forwarded yet: the
- * E2B surface (it names sandboxes in paths and hosts; it answers 501 here).
+ * other op without a session has no broker to go to and is refused. The E2B surface is
+ * proxied by sandbox id (e2b-proxy.ts).
  *
  * Failure semantics:
  * - a gateway dies: it held nothing; a client reconnects to another and attaches by id.
@@ -23,12 +23,13 @@ import type { AddressInfo } from 'node:net';
 import { Counter, Gauge, Registry } from 'prom-client';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { AttachParams, CreateParams, HARNESS_API_VERSION, type OpName } from '../api/harness-protocol.ts';
+import { CreateParams, HARNESS_API_VERSION, type OpName } from '../api/harness-protocol.ts';
 import type { Principals } from '../api/principals.ts';
 import { WsServer, bearer, DEFAULT_WS_LIMITS, type OpContext, type WsLimits } from '../api/ws-server.ts';
 import { loopbackUrl, McpHttpEndpoint } from '../mcp/http.ts';
 import { E2bEndpoint } from '../e2b/endpoint.ts';
-import { Catalog, type BrokerRecord, type SessionEntry } from '../catalog/catalog.ts';
+import { Catalog, sessionIdOf, type BrokerRecord, type SessionEntry } from '../catalog/catalog.ts';
+import { E2bProxy } from './e2b-proxy.ts';
 import { place } from './placement.ts';
 import { Upstream } from './upstream.ts';
 
@@ -63,16 +64,6 @@ const ENTRY_CACHE_MAX = 100_000;
 const UPSTREAM_IDLE_MS = 60_000;
 
 /**
- * A session id as the protocol defines it, checked before it becomes a catalog key: a tenant
- * cannot make the gateway or Redis handle a key of megabytes or of another shape.
- */
-function sessionIdOf(v: unknown): string {
-  const r = AttachParams.shape.session.safeParse(v);
-  if (!r.success) throw new HutchError('bad_request', `invalid session: ${r.error.issues[0]?.message}`);
-  return r.data;
-}
-
-/**
  * The client connection a request came on, where the WebSocket server tells it (streams are
  * per connection); without it, upstreams are shared per principal.
  */
@@ -85,6 +76,7 @@ export class Gateway {
   private metricsServer: Server | undefined;
   private readonly catalog: Catalog;
   private readonly mcp: McpHttpEndpoint;
+  private readonly e2b: E2bProxy;
   /**
    * Upstream connections: one per client connection and broker, so what a broker keys by
    * connection (a stream id, in-flight and stream limits) means the same behind a gateway.
@@ -105,6 +97,19 @@ export class Gateway {
     this.catalog = new Catalog(o.catalogUrl, o.catalogPrefix);
     // MCP over HTTP on the gateway reaches the gateway's own WebSocket API, so its tool calls are routed like any harness's.
     this.mcp = new McpHttpEndpoint({ brokerUrl: () => loopbackUrl(o.host, this.port), log: o.log });
+    this.e2b = new E2bProxy({
+      principals: o.principals,
+      log: o.log,
+      session: (id) => this.catalog.session(id),
+      brokerFor: (entry, id) => this.brokerFor(entry, id),
+      place: async () => (await place(await this.liveBrokers(true), { memoryMiB: 512, k: o.sampleK ?? 2, credential: o.credential, timeoutMs: this.timeoutMs })).broker,
+      claim: (id, entry) => this.catalog.claimSession(id, entry),
+      release: async (id, entry) => {
+        this.entries.delete(id);
+        await this.catalog.releaseSession(id, { broker: entry.broker, principal: entry.principal });
+      },
+      liveBrokers: () => this.liveBrokers(true),
+    });
     this.sweeper = setInterval(() => this.sweep(), 10_000);
     this.sweeper.unref();
   }
@@ -122,7 +127,7 @@ export class Gateway {
       ...(this.o.limits ? { limits: this.o.limits } : {}),
       hello: { backend: 'gateway', versions: { api: HARNESS_API_VERSION, broker: `gateway ${VERSION}`, node: process.versions.node } },
       handle: (op, p, ctx) => this.handle(op, p, ctx),
-      http: (req, res, principal) => this.onHttp(req, res, principal),
+      http: (req, res, principal, authenticated) => this.onHttp(req, res, principal, authenticated ?? (() => undefined)),
     });
     this.port = await this.server.listen();
     if (this.o.metricsListen) {
@@ -151,17 +156,13 @@ export class Gateway {
     this.catalog.close();
   }
 
-  private async onHttp(req: IncomingMessage, res: ServerResponse, principal: string | undefined): Promise<boolean> {
+  private async onHttp(req: IncomingMessage, res: ServerResponse, principal: string | undefined, authenticated: () => void): Promise<boolean> {
     if (req.url === '/healthz') {
       res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: true }));
       return true;
     }
     if (McpHttpEndpoint.matches(req.url)) return this.mcp.handle(req, res, principal, bearer(req)).then(() => true);
-    if (E2bEndpoint.matches(req.url)) {
-      // Not forwarded yet: the E2B surface names sandboxes in paths and hosts, which needs an HTTP proxy by sandbox id.
-      res.writeHead(501, { 'content-type': 'text/plain' }).end('the E2B surface is not forwarded by the gateway yet: use a broker directly\n');
-      return true;
-    }
+    if (E2bEndpoint.matches(req.url)) return this.e2b.handle(req, res, authenticated).then(() => true);
     if (req.url === '/metrics') {
       if (principal === undefined) {
         res.writeHead(401, { 'content-type': 'text/plain', 'www-authenticate': 'Bearer' }).end('unauthorized: /metrics needs a bearer token (or --metrics-port)\n');
