@@ -1,6 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createHash, randomBytes } from 'node:crypto';
-import { createReadStream, existsSync, readdirSync, readFileSync, statSync, writeFileSync } from 'node:fs';
+import { chownSync, createReadStream, existsSync, readdirSync, readFileSync, statSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { Hutch } from '../host-broker/src/sdk/index.ts';
 import { startBroker, type TestBroker } from './helpers/broker.ts';
@@ -151,8 +151,13 @@ describe('streamed files', () => {
     expect(r.bytes).toBe(content.length);
     expect(readFileSync(join(ws, 'r.bin')).equals(content)).toBe(true);
     expect(statSync(join(ws, 'r.bin')).mode & 0o7777).toBe(0o750);
+    const asRoot = process.getuid?.() === 0;
+    if (asRoot) chownSync(join(ws, 'r.bin'), 1234, 1234);
     const again = await sb.files.upload('r.bin', Buffer.from('small now'));
     expect(again).toMatchObject({ bytes: 9, created: false });
+    // Replacing keeps the file's mode and owner, as the write tool does.
+    expect(statSync(join(ws, 'r.bin')).mode & 0o7777).toBe(0o750);
+    if (asRoot) expect([statSync(join(ws, 'r.bin')).uid, statSync(join(ws, 'r.bin')).gid]).toEqual([1234, 1234]);
     const chunks: Buffer[] = [];
     for await (const c of sb.files.download('r.bin')) chunks.push(c);
     expect(Buffer.concat(chunks).toString()).toBe('small now');
