@@ -97,6 +97,8 @@ export class FileStreams {
             release();
             if (reason) this.log.info('stream.upload_dropped', { session: s.id, reason: reason.message });
           });
+          // Its temp file may already have failed (in the ticks since open): then it is over.
+          if (u.ended) throw u.ended;
           this.uploads.set(u.id, u);
           if (ctx.connection.closed.aborted) disconnected();
           else ctx.connection.closed.addEventListener('abort', disconnected, { once: true });
@@ -305,6 +307,11 @@ class Upload {
     } finally {
       r.close();
     }
+  }
+
+  /** Why the upload ended without a file, once it has. */
+  get ended(): HutchError | undefined {
+    return this.closed ? this.failed : undefined;
   }
 
   /** Accepts one chunk; resolves with the bytes received so far once it is written (its credit returns). */
