@@ -1,5 +1,4 @@
-import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
-import type { AddressInfo } from 'node:net';
+import type { Server, ServerResponse } from 'node:http';
 import { readFileSync, realpathSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import type { z } from 'zod';
@@ -16,7 +15,7 @@ import { privateDir, SessionManager } from './sessions/session-manager.ts';
 import type { FastPathRunner } from './tools/fastpath-runner.ts';
 import { FileStreams, isStreamOp } from './tools/file-stream.ts';
 import { Admission, type AdmissionOptions } from './admission.ts';
-import { BrokerMetrics } from './metrics.ts';
+import { BrokerMetrics, listenMetrics } from './metrics.ts';
 import { availableParallelism, totalmem } from 'node:os';
 import { DEFAULT_POLICY, type SandboxPolicy } from './policy/sandbox-policy.ts';
 import { ClusterMember, drainingError, type ClusterOptions } from './catalog/member.ts';
@@ -206,16 +205,9 @@ export class Broker {
     this.port = await this.server.listen();
     await this.cluster?.register(this.port, this.opts.host);
     if (this.opts.metricsListen) {
-      const m = this.opts.metricsListen;
-      this.metricsServer = createServer((req: IncomingMessage, res: ServerResponse) => {
-        if (req.url === '/metrics') void this.serveMetrics(res);
-        else res.writeHead(404, { 'content-type': 'text/plain' }).end('only /metrics here\n');
-      });
-      await new Promise<void>((resolve, reject) => {
-        this.metricsServer?.once('error', reject);
-        this.metricsServer?.listen(m.port, m.host, () => resolve());
-      });
-      this.metricsPort = (this.metricsServer.address() as AddressInfo).port;
+      const m = await listenMetrics(this.opts.metricsListen, (res) => this.serveMetrics(res));
+      this.metricsServer = m.server;
+      this.metricsPort = m.port;
     }
     this.opts.log.info('broker.listening', { port: this.port, ...(this.metricsServer ? { metricsPort: this.metricsPort } : {}), backend: this.opts.backend.name, isolation: this.opts.backend.isolation, policy: this.policy, principals: this.principals.names, adoptedSessions: adopted });
     return this.port;

@@ -1,3 +1,5 @@
+import { createServer, type Server, type ServerResponse } from 'node:http';
+import type { AddressInfo } from 'node:net';
 import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
 import type { CallUsage, TelemetrySample } from '../../guest-agent/src/protocol/methods-telemetry.ts';
 
@@ -141,4 +143,17 @@ export class BrokerMetrics {
   get contentType(): string {
     return this.registry.contentType;
   }
+}
+
+/** A scrape-only address (--metrics-port): /metrics without a token, answered by `serve`; nothing else. */
+export async function listenMetrics(at: { host: string; port: number }, serve: (res: ServerResponse) => Promise<unknown>): Promise<{ server: Server; port: number }> {
+  const server = createServer((req, res) => {
+    if (req.url === '/metrics') void serve(res);
+    else res.writeHead(404, { 'content-type': 'text/plain' }).end('only /metrics here\n');
+  });
+  await new Promise<void>((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(at.port, at.host, () => resolve());
+  });
+  return { server, port: (server.address() as AddressInfo).port };
 }

@@ -18,8 +18,7 @@
  */
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
-import type { AddressInfo } from 'node:net';
+import type { IncomingMessage, Server, ServerResponse } from 'node:http';
 import { Counter, Gauge, Registry } from 'prom-client';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
@@ -28,6 +27,7 @@ import type { Principals } from '../api/principals.ts';
 import { WsServer, bearer, DEFAULT_WS_LIMITS, type OpContext, type WsLimits } from '../api/ws-server.ts';
 import { loopbackUrl, McpHttpEndpoint } from '../mcp/http.ts';
 import { E2bEndpoint } from '../e2b/endpoint.ts';
+import { listenMetrics } from '../metrics.ts';
 import { Catalog, sessionIdOf, type BrokerRecord, type SessionEntry } from '../catalog/catalog.ts';
 import { E2bProxy } from './e2b-proxy.ts';
 import { place } from './placement.ts';
@@ -131,16 +131,9 @@ export class Gateway {
     });
     this.port = await this.server.listen();
     if (this.o.metricsListen) {
-      const m = this.o.metricsListen;
-      this.metricsServer = createServer((req, res) => {
-        if (req.url === '/metrics') void this.serveMetrics(res);
-        else res.writeHead(404, { 'content-type': 'text/plain' }).end('only /metrics here\n');
-      });
-      await new Promise<void>((resolve, reject) => {
-        this.metricsServer?.once('error', reject);
-        this.metricsServer?.listen(m.port, m.host, () => resolve());
-      });
-      this.metricsPort = (this.metricsServer.address() as AddressInfo).port;
+      const m = await listenMetrics(this.o.metricsListen, (res) => this.serveMetrics(res));
+      this.metricsServer = m.server;
+      this.metricsPort = m.port;
     }
     this.o.log.info('gateway.listening', { port: this.port, principals: this.o.principals.names });
     return this.port;
