@@ -9,9 +9,11 @@
  */
 import { runIfMain } from "./cli.ts";
 import { ensureRootfs } from "./image.ts";
+import { ensureAgentLayer } from "./agent-layer.ts";
 import { fmtBytes, fmtSeconds } from "./progress.ts";
 
 export { ensureRootfs, type RootfsImage, type RootfsOptions } from "./image.ts";
+export { ensureAgentLayer, type AgentLayer } from "./agent-layer.ts";
 
 const USAGE = `usage: npx tsx rootfs/build.ts [--force] [--force-base] [--json]
   builds (or finds in ~/.cache/hutch) the guest rootfs image and prints where it is
@@ -33,9 +35,10 @@ async function main(argv: string[]): Promise<number> {
   }
   const started = performance.now();
   const r = await ensureRootfs({ force: argv.includes("--force"), forceBase: argv.includes("--force-base") });
+  const layer = await ensureAgentLayer({ force: argv.includes("--force") });
   const wall = (performance.now() - started) / 1000;
   if (argv.includes("--json")) {
-    process.stdout.write(`${JSON.stringify({ ...r, wallSeconds: Math.round(wall * 10) / 10 })}\n`);
+    process.stdout.write(`${JSON.stringify({ ...r, agentLayer: layer, wallSeconds: Math.round(wall * 10) / 10 })}\n`);
     return 0;
   }
   process.stdout.write(
@@ -45,7 +48,7 @@ async function main(argv: string[]): Promise<number> {
       `          ${fmtBytes(r.sizeBytes)} filesystem, ${fmtBytes(r.allocatedBytes)} on disk, image build ${fmtSeconds(r.buildSeconds)}`,
       `  base:   ${r.base.dir} (${r.base.cached ? "cached" : "built"})`,
       `          ${fmtBytes(r.base.sizeBytes)}, ${r.base.files} files, ${r.base.packages} packages, base build ${fmtSeconds(r.base.buildSeconds)}`,
-      `  agent:  sha256 ${r.agentSha256}`,
+      `  agent layer: ${layer.image} (${layer.cached ? "cached" : "built"}), ${fmtBytes(layer.sizeBytes)}, node ${layer.nodeVersion}, agent sha256 ${layer.agentSha256}`,
       `  this run: ${fmtSeconds(wall)}`,
       "",
     ].join("\n"),

@@ -1,19 +1,17 @@
 /**
- * The guest root filesystem image: base tree (base.ts) + the bundled agent +
- * init + config, as a reproducible ext4 file at
- * `<cache>/rootfs/<hash>/rootfs.ext4`.
+ * The default template's root filesystem: the base tree (base.ts) + the tenant user,
+ * mount points and the template settings (/etc/hutch/start: the Python preload), as a
+ * reproducible ext4 file at `<cache>/rootfs/<hash>/rootfs.ext4`.
  *
- * The hash covers the base's hash, the agent bundle's sha256, the guest files
- * (init, agent-start, boot.py) and the build code, so changing the agent
- * rebuilds only this layer (seconds), never the base (minutes).
+ * The agent, Node for it, init and the helpers are not in here: they are the agent layer
+ * (agent-layer.ts), a disk of their own. The hash covers the base's hash, the guest files
+ * and the build code; an agent change rebuilds only the agent layer.
  */
 import { createHash } from "node:crypto";
 import { createReadStream } from "node:fs";
 import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
-import { buildAgent } from "../guest-agent/build.ts";
-import { buildNativeHelpers } from "../guest-agent/native/build.ts";
 import { cacheDir, cacheRoot, exists, fillAtomically, hashInputs, notCached, withLock } from "../build/cache.ts";
 import { ensureHostPackages } from "../build/host-apt.ts";
 import { ensureBase, type BaseInfo } from "./base.ts";
@@ -32,7 +30,7 @@ export const DEFAULT_EPOCH = 1704067200;
 const KEEP_IMAGES = 3;
 
 /** Where the image is staged: a tmpfs, for the deterministic directory order (see stage.ts). */
-const STAGING_PARENT = process.env["HUTCH_ROOTFS_STAGING"] ?? "/dev/shm";
+export const STAGING_PARENT = process.env["HUTCH_ROOTFS_STAGING"] ?? "/dev/shm";
 
 export interface RootfsOptions {
   /** Rebuild the image even if cached (the base is reused). */
@@ -47,8 +45,6 @@ export interface RootfsOptions {
 /** What rootfs.json records next to the image. */
 export interface RootfsInfo {
   hash: string;
-  agentSha256: string;
-  agentBytes: number;
   baseHash: string;
   epoch: number;
   uuid: string;
@@ -70,7 +66,6 @@ export interface RootfsImage {
   /** Time this image took to build (recorded at build time for a cache hit). */
   buildSeconds: number;
   hash: string;
-  agentSha256: string;
   allocatedBytes: number;
   imageSha256: string;
   dir: string;
@@ -78,7 +73,7 @@ export interface RootfsImage {
   base: { hash: string; sizeBytes: number; files: number; buildSeconds: number; cached: boolean; packages: number; dir: string };
 }
 
-function epochFromEnv(): number {
+export function epochFromEnv(): number {
   const raw = process.env["SOURCE_DATE_EPOCH"];
   if (raw === undefined || raw === "") return DEFAULT_EPOCH;
   const n = Number(raw);
@@ -87,7 +82,7 @@ function epochFromEnv(): number {
 }
 
 /** A UUID derived from the image hash: fixed for given inputs, different between images. */
-function uuidFor(hash: string): string {
+export function uuidFor(hash: string): string {
   const h = createHash("sha256").update(`hutch-rootfs:${hash}`).digest("hex");
   return `${h.slice(0, 8)}-${h.slice(8, 12)}-4${h.slice(13, 16)}-8${h.slice(17, 20)}-${h.slice(20, 32)}`;
 }
@@ -98,11 +93,11 @@ function uuidFor(hash: string): string {
  * layer is (dirtiness: writes outside /work and /tmp) and which cgroup tenant commands
  * run in. The agent is built from the same checkout, so it knows them.
  */
-async function guestAgentFlags(_bundle: string): Promise<string[]> {
+export function guestAgentFlags(): string[] {
   return ['--guest', '--overlay-upper=/run/hutch/overlay/upper', '--workload-cgroup=/sys/fs/cgroup/workload'];
 }
 
-async function sha256File(file: string): Promise<string> {
+export async function sha256File(file: string): Promise<string> {
   const hash = createHash("sha256");
   for await (const chunk of createReadStream(file)) hash.update(chunk as Buffer);
   return hash.digest("hex");
@@ -114,7 +109,6 @@ function toResult(dir: string, info: RootfsInfo, base: { dir: string; info: Base
     sizeBytes: info.sizeBytes,
     buildSeconds: info.buildSeconds,
     hash: info.hash,
-    agentSha256: info.agentSha256,
     allocatedBytes: info.allocatedBytes,
     imageSha256: info.imageSha256,
     dir,
@@ -147,20 +141,11 @@ export async function ensureRootfs(opts: RootfsOptions = {}): Promise<RootfsImag
   const base = await ensureBase({ force: opts.forceBase, log, ...(opts.cachedOnly ? { cachedOnly: true } : {}) });
   if (!base.cached) log(`base: built in ${fmtSeconds(base.info.buildSeconds)} (${fmtBytes(base.info.sizeBytes)})`);
 
-  // The agent is bundled fresh every time (about a second): its sha256 is part of the key.
   const rootfsCache = await cacheDir("rootfs");
-  const bundleDir = await mkdtemp(path.join(rootfsCache, ".agent-"));
-  try {
-    const agentFile = path.join(bundleDir, "hutch-agent.mjs");
-    const agent = await buildAgent(agentFile);
-    await ensureHostPackages(["gcc", "libc6-dev"], log);
-    const helpers = await buildNativeHelpers(bundleDir);
-    const agentFlags = await guestAgentFlags(agentFile);
+  {
     const epoch = epochFromEnv();
     const hash = await hashInputs([
       { label: "base", value: base.info.hash },
-      { label: "agent", value: agent.sha256 },
-      ...helpers.map((h) => ({ label: h.dest, value: h.sha256 })),
       { label: "epoch", value: String(epoch) },
       ...GUEST_FILES.map((f) => ({ file: f.src })),
       ...BUILD_CODE.map((file) => ({ file })),
@@ -185,15 +170,12 @@ export async function ensureRootfs(opts: RootfsOptions = {}): Promise<RootfsImag
         await fillAtomically(dir, async (tmp) => {
           const stageDir = await mkdtemp(path.join(STAGING_PARENT, `hutch-rootfs-${hash}-`));
           try {
-            await phases.run("stage base + agent + init (sorted copy to tmpfs)", () =>
+            await phases.run("stage base + tenant + template settings (sorted copy to tmpfs)", () =>
               stageTree({
                 baseTree: base.tree,
                 stageDir,
-                agentBundle: agentFile,
-                agentFlags,
-                extraFiles: helpers.map((h) => ({ src: h.path, dest: h.dest, mode: 0o755 })),
                 epoch,
-                imageInfo: { hash, baseHash: base.info.hash, agentSha256: agent.sha256, agentFlags, epoch, packages: base.info.installed },
+                imageInfo: { hash, baseHash: base.info.hash, epoch, packages: base.info.installed },
               }),
             );
             const image = path.join(tmp, "rootfs.ext4");
@@ -203,8 +185,6 @@ export async function ensureRootfs(opts: RootfsOptions = {}): Promise<RootfsImag
             const imageSha256 = await phases.run("sha256", () => sha256File(image));
             info = {
               hash,
-              agentSha256: agent.sha256,
-              agentBytes: agent.bytes,
               baseHash: base.info.hash,
               epoch,
               uuid,
@@ -230,7 +210,5 @@ export async function ensureRootfs(opts: RootfsOptions = {}): Promise<RootfsImag
       },
       log,
     );
-  } finally {
-    await rm(bundleDir, { recursive: true, force: true });
   }
 }

@@ -83,7 +83,10 @@ export async function tscCmdline(): Promise<string[]> {
 }
 
 export interface BootOptions {
+  /** The template's root filesystem (second disk). */
   image: string;
+  /** The agent layer (first disk, the kernel's root: its init mounts `image`). */
+  agentLayer: string;
   kernel: GuestKernel;
   memMiB?: number;
   smp?: number;
@@ -139,7 +142,9 @@ function buildArgs(opts: BootOptions, sock: string, swapFile: string | undefined
     "-append", cmdline,
   ];
   if (opts.kernel.initrd) args.push("-initrd", opts.kernel.initrd);
-  // Device order decides the guest names: root first (/dev/vda), swap second (/dev/vdb).
+  // Device order decides the guest names: agent layer (/dev/vda, the kernel's root), the
+  // template's root (/dev/vdb), swap (/dev/vdc), as in host-broker/src/vm/qemu-driver.ts.
+  args.push("-drive", `id=layer,file=${opts.agentLayer},format=raw,if=none,readonly=on`, "-device", "virtio-blk-device,drive=layer");
   args.push("-drive", `id=root,file=${opts.image},format=raw,if=none,readonly=on`, "-device", "virtio-blk-device,drive=root");
   if (swapFile) args.push("-drive", `id=swap,file=${swapFile},format=raw,if=none`, "-device", "virtio-blk-device,drive=swap");
   args.push(

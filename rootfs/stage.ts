@@ -1,7 +1,8 @@
 /**
- * The image layer's tree: a copy of the base tree plus what makes it a hutch
- * guest (init, the agent bundle, the tenant user, mount points), normalised
- * for a reproducible mkfs.
+ * The default template's tree: a copy of the base tree plus what every template root
+ * gets (the tenant user, mount points, /etc/hutch settings: the template build does the
+ * same inside its VM, guest/build.sh), normalised for a reproducible mkfs. The agent and
+ * init are the agent layer's (agent-layer.ts), not in here.
  *
  * The copy goes to a tmpfs in name-sorted order (GNU tar --sort=name). mke2fs
  * 1.47.0 adds directory entries in readdir order, and on tmpfs that order is
@@ -15,15 +16,15 @@ import { run } from "../build/run.ts";
 
 const GUEST_DIR = path.join(path.dirname(fileURLToPath(import.meta.url)), "guest");
 
-/** Guest files baked into the image, with their modes. Part of the image's cache key. */
+/**
+ * Guest files baked into the default template, with their modes. Part of its cache key.
+ * /etc/hutch/start is the template's start command (init runs it before the agent, so the
+ * pristine snapshot holds its warm page cache): here, the Python stdlib preload.
+ */
 export const GUEST_FILES: readonly { src: string; dest: string; mode: number }[] = [
-  { src: path.join(GUEST_DIR, "init.sh"), dest: "usr/sbin/init", mode: 0o755 },
-  { src: path.join(GUEST_DIR, "agent-start.sh"), dest: "opt/hutch/agent-start.sh", mode: 0o755 },
-  { src: path.join(GUEST_DIR, "boot.py"), dest: "opt/hutch/boot.py", mode: 0o644 },
+  { src: path.join(GUEST_DIR, "default-start.sh"), dest: "etc/hutch/start", mode: 0o644 },
+  { src: path.join(GUEST_DIR, "boot.py"), dest: "etc/hutch/boot.py", mode: 0o644 },
 ];
-
-/** Where the agent bundle lives in the guest (agent-start.sh runs it from there). */
-export const AGENT_PATH_IN_GUEST = "opt/hutch/hutch-agent.mjs";
 
 /** The unprivileged user tenant commands run as (the agent's --run-as). */
 export const TENANT = { name: "tenant", uid: 1000, gid: 1000, home: "home/tenant", shell: "/bin/bash" } as const;
@@ -69,12 +70,7 @@ async function addTenant(root: string, epoch: number): Promise<void> {
 export interface StageInputs {
   baseTree: string;
   stageDir: string;
-  agentBundle: string;
-  /** Extra agent options, one per line in /opt/hutch/agent-flags (read by agent-start.sh). */
-  agentFlags: readonly string[];
-  /** Further files baked in (the agent's native helpers), relative destinations. */
-  extraFiles?: readonly { src: string; dest: string; mode: number }[];
-  /** Written to /opt/hutch/image.json (must be deterministic: no build times). */
+  /** Written to /etc/hutch/image.json (must be deterministic: no build times). */
   imageInfo: Record<string, unknown>;
   epoch: number;
 }
@@ -84,17 +80,15 @@ export async function stageTree(inp: StageInputs): Promise<void> {
   const root = inp.stageDir;
   await copyTreeSorted(inp.baseTree, root);
 
-  await mkdir(path.join(root, "opt/hutch/newroot"), { recursive: true });
-  for (const f of [...GUEST_FILES, ...(inp.extraFiles ?? [])]) {
+  // The agent layer's mount point (init pivots the layer there).
+  await mkdir(path.join(root, "opt/hutch"), { recursive: true });
+  for (const f of GUEST_FILES) {
     const dest = path.join(root, f.dest);
     await mkdir(path.dirname(dest), { recursive: true });
     await copyFile(f.src, dest);
     await chmod(dest, f.mode);
   }
-  await copyFile(inp.agentBundle, path.join(root, AGENT_PATH_IN_GUEST));
-  await chmod(path.join(root, AGENT_PATH_IN_GUEST), 0o644);
-  await writeFile(path.join(root, "opt/hutch/agent-flags"), inp.agentFlags.map((f) => `${f}\n`).join(""));
-  await writeFile(path.join(root, "opt/hutch/image.json"), `${JSON.stringify(inp.imageInfo, null, 2)}\n`);
+  await writeFile(path.join(root, "etc/hutch/image.json"), `${JSON.stringify(inp.imageInfo, null, 2)}\n`);
 
   await addTenant(root, inp.epoch);
   // Mount points: /work and /tmp become tmpfs at boot; /run holds the overlay.

@@ -15,6 +15,7 @@ import { AgentClient } from "../host-broker/src/agent-client.ts";
 import { gatherFacts, timeTwice, type GuestFacts, type Timing } from "./guest-facts.ts";
 import { runIfMain } from "./cli.ts";
 import { ensureRootfs } from "./image.ts";
+import { ensureAgentLayer } from "./agent-layer.ts";
 import { fmtBytes } from "./progress.ts";
 import { bootRootfs, findGuestKernel, type BootedVm, type GuestKernel } from "./qemu-boot.ts";
 
@@ -44,12 +45,14 @@ async function connect(vm: BootedVm): Promise<{ client: AgentClient; helloMs: nu
 
 async function oneBoot(
   image: string,
+  agentLayer: string,
   kernel: GuestKernel,
   opts: { extra?: string[]; cpu?: string; facts: boolean; timings: boolean; verbose: boolean },
 ): Promise<BootReport & { facts?: GuestFacts; warnings: string[] }> {
   const warnings: string[] = [];
   const vm = await bootRootfs({
     image,
+    agentLayer,
     kernel,
     extraCmdline: opts.extra,
     ...(opts.cpu ? { cpu: opts.cpu } : {}),
@@ -87,18 +90,19 @@ async function main(argv: string[]): Promise<number> {
   const log = (m: string) => process.stderr.write(`[verify] ${m}\n`);
 
   const rootfs = await ensureRootfs();
+  const layer = await ensureAgentLayer();
   const kernel = await findGuestKernel(log);
   log(`image ${rootfs.image} (${fmtBytes(rootfs.sizeBytes)}), kernel: ${kernel.description}, accel: tcg`);
 
   const runs: (BootReport & { facts?: GuestFacts; warnings: string[] })[] = [];
   for (let i = 0; i < boots; i++) {
-    const r = await oneBoot(rootfs.image, kernel, { extra: append, cpu, facts: i === 0, timings: true, verbose });
+    const r = await oneBoot(rootfs.image, layer.image, kernel, { extra: append, cpu, facts: i === 0, timings: true, verbose });
     log(`boot ${i + 1}/${boots}: HUTCH_READY after ${(r.readyMs / 1000).toFixed(2)} s wall (guest uptime ${r.readyUptime} s), hello ${r.helloMs.toFixed(0)} ms`);
     runs.push(r);
   }
   let noPreload: BootReport | undefined;
   if (argv.includes("--compare-preload")) {
-    noPreload = await oneBoot(rootfs.image, kernel, { extra: [...append, "hutch.preload=0"], cpu, facts: false, timings: true, verbose });
+    noPreload = await oneBoot(rootfs.image, layer.image, kernel, { extra: [...append, "hutch.preload=0"], cpu, facts: false, timings: true, verbose });
     log(`boot with hutch.preload=0: HUTCH_READY after ${(noPreload.readyMs / 1000).toFixed(2)} s`);
   }
   const first = runs[0];

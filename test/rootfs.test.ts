@@ -12,6 +12,7 @@ import { AgentClient } from '../host-broker/src/agent-client.ts';
 import { makeReproducibleExt4 } from '../rootfs/ext4.ts';
 import { DIRTY_CHECK, gatherFacts, sh, timeTwice, type GuestFacts } from '../rootfs/guest-facts.ts';
 import { ensureRootfs, type RootfsImage } from '../rootfs/image.ts';
+import { ensureAgentLayer } from '../rootfs/agent-layer.ts';
 import { bootRootfs, findGuestKernel, type BootedVm, type GuestKernel } from '../rootfs/qemu-boot.ts';
 
 function missingPrerequisite(): string | undefined {
@@ -41,9 +42,11 @@ describe.skipIf(missing !== undefined)('guest rootfs booted under QEMU (TCG)', {
   beforeAll(async () => {
     // A cold cache builds the Debian base (minutes); afterwards this is seconds.
     rootfs = await ensureRootfs({ log: (m) => console.log(`[rootfs] ${m}`) });
+    const layer = await ensureAgentLayer({ log: (m) => console.log(`[agent layer] ${m}`) });
     kernel = await findGuestKernel((m) => console.log(`[kernel] ${m}`));
     vm = await bootRootfs({
       image: rootfs.image,
+      agentLayer: layer.image,
       kernel,
       readyTimeoutMs: 180_000,
       onConsole: (l) => {
@@ -98,7 +101,8 @@ describe.skipIf(missing !== undefined)('guest rootfs booted under QEMU (TCG)', {
   });
 
   it('has swap on the spare disk and zswap on', () => {
-    expect(facts.swaps).toEqual(['/dev/vdb']);
+    // vda is the agent layer, vdb the template's root, vdc the spare disk.
+    expect(facts.swaps).toEqual(['/dev/vdc']);
     expect(facts.zswap.enabled).toBe('Y');
     expect(facts.zswap.zpool).toBe('zsmalloc');
     expect(['lz4', 'lzo', 'lzo-rle']).toContain(facts.zswap.compressor);
@@ -119,6 +123,16 @@ describe.skipIf(missing !== undefined)('guest rootfs booted under QEMU (TCG)', {
     for (const m of facts.vportModes) expect(m).toBe('600');
     expect(facts.vportOpenError).toMatch(/Permission denied/);
     expect(facts.killAgentError).toMatch(/Operation not permitted/);
+  });
+
+  it("runs the agent on the agent layer's Node, read-only at /opt/hutch, apart from the template's own", async () => {
+    if (!client) throw new Error('no VM');
+    // The agent process is the layer's loader running the layer's node binary.
+    const agentCmd = await sh(client, `tr '\\0' ' ' < /proc/${agentPid}/cmdline`);
+    expect(agentCmd).toMatch(/^\/opt\/hutch\/lib\/ld-linux-x86-64\.so\.2 --library-path \/opt\/hutch\/lib \/opt\/hutch\/libexec\/node \/opt\/hutch\/hutch-agent\.mjs /);
+    expect(await sh(client, 'touch /opt/hutch/x 2>&1 || true')).toMatch(/Read-only file system|Permission denied/);
+    // The template's node is its own (Debian's /usr/bin/node), found first on the tenant's PATH.
+    expect((await sh(client, 'command -v node')).trim()).toBe('/usr/bin/node');
   });
 
   it('serves a new broker connection after the previous one went away', async () => {

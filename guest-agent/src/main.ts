@@ -25,10 +25,22 @@ usage: hutch-agent --listen SPEC [--listen SPEC ...] [options]
                       snapshot restore and manage the guest's memory
   --overlay-upper DIR the root overlay's upper directory (dirtiness: writes outside /work, /tmp)
   --workload-cgroup D cgroup v2 directory tenant commands run in
+  --env KEY=VALUE     extra environment for tenant commands (repeatable; a template's --env)
   --log-level L       debug | info | warn | error (default info; env HUTCH_LOG_LEVEL)
   -h, --help          this text
 
 protocol v${PROTOCOL_VERSION}`;
+
+/** `--env KEY=VALUE` pairs; a malformed one is a startup error, never silently dropped. */
+function tenantEnv(pairs: string[]): Record<string, string> {
+  const out: Record<string, string> = {};
+  for (const p of pairs) {
+    const i = p.indexOf('=');
+    if (i <= 0 || !/^[A-Za-z_][A-Za-z0-9_]*$/.test(p.slice(0, i))) throw new HutchError('bad_request', `--env expects KEY=VALUE, got ${JSON.stringify(p)}`);
+    out[p.slice(0, i)] = p.slice(i + 1);
+  }
+  return out;
+}
 
 async function main(): Promise<void> {
   const { values } = parseArgs({
@@ -45,6 +57,7 @@ async function main(): Promise<void> {
       guest: { type: 'boolean', default: false },
       'overlay-upper': { type: 'string' },
       'workload-cgroup': { type: 'string' },
+      env: { type: 'string', multiple: true },
       help: { type: 'boolean', short: 'h' },
     },
   });
@@ -75,6 +88,7 @@ async function main(): Promise<void> {
         HOME: home,
         LANG: 'C.UTF-8',
         TERM: 'dumb',
+        ...tenantEnv(values.env ?? []),
       },
       uid,
       gid,

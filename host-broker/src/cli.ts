@@ -5,7 +5,6 @@
 import { parseArgs } from 'node:util';
 import { closeSync, readFileSync, realpathSync, writeSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
-import { homedir } from 'node:os';
 import { join } from 'node:path';
 import { createLogger, parseLogLevel, type Logger } from '../../guest-agent/src/log.ts';
 import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
@@ -21,12 +20,16 @@ import { MCP_HELP, mcpMain } from './mcp/stdio.ts';
 import { DEFAULT_QUOTA } from './sessions/workspace-quota.ts';
 import { CLUSTER_SERVE_FLAGS, clusterFromFlags, drainMsFromFlags, gatewayMain, GATEWAY_HELP } from './gateway/cli.ts';
 import type { ClusterOptions } from './catalog/member.ts';
+import { templateMain } from './templates/cli.ts';
+import { defaultDataDir } from './templates/store.ts';
 
 const HELP = `hutch: sandboxes for AI agents, packed densely on one host
 
 usage:
   hutch serve [options]     run the broker (WebSocket API for harnesses)
   hutch prepare [options]   build (or find cached) the guest kernel, rootfs and pristine snapshot
+  hutch template ...        build | ls | inspect | rm templates: root filesystems the agent is baked into
+                            (see hutch template --help)
   hutch gateway [options]   one endpoint in front of many brokers (routes by session, places new ones)
   hutch mcp [options]       MCP server on stdio for a local agent (a broker's sandboxes as MCP tools;
                             the broker also serves MCP over Streamable HTTP at /mcp)
@@ -180,6 +183,10 @@ async function main(): Promise<void> {
     await gatewayMain(rest);
     return;
   }
+  if (cmd === 'template') {
+    await templateMain(rest);
+    return;
+  }
   if (cmd !== 'serve') throw new HutchError('bad_request', `unknown command ${cmd} (see hutch --help)`);
   const { values } = parseArgs({
     args: rest,
@@ -219,7 +226,7 @@ async function main(): Promise<void> {
   const givenToken = values.token ?? process.env['HUTCH_TOKEN'];
   // A generated token only when no principal was configured at all.
   const token = givenToken ?? (tokens ? undefined : randomBytes(16).toString('hex'));
-  const dataDir = values['data-dir'] ?? process.env['HUTCH_DATA'] ?? join(homedir(), '.local/state/hutch');
+  const dataDir = defaultDataDir(values['data-dir']);
   if (values['i-know-unsafe-local'] && values.backend !== 'unsafe-local') throw new HutchError('bad_request', `${UNSAFE_LOCAL_ACK_FLAG} goes with --backend unsafe-local`);
   const limits: Partial<WsLimits> = {
     ...(values['max-frame-mib'] !== undefined ? { maxPayloadBytes: positiveInt('--max-frame-mib', values['max-frame-mib']) * 1024 * 1024 } : {}),

@@ -4,7 +4,10 @@
 # can time boots and knows when to snapshot. If the agent exits, so does this
 # script, then tini, and the kernel stops the VM: a sandbox without its agent
 # is of no use, and the host sees the VM go away.
-PATH=/usr/sbin:/usr/bin:/sbin:/bin
+# Runs from the agent layer (/opt/hutch) under its busybox sh. The template's tools first
+# (what the agent runs as root, e.g. `mount -o remount` on a restore), the layer's busybox
+# as the fallback for templates without them.
+PATH=/usr/sbin:/usr/bin:/sbin:/bin:/opt/hutch/bin
 export PATH
 
 listen=vport:hutch-agent
@@ -20,9 +23,9 @@ done < /run/hutch/settings
 
 # The agent and everything it starts begin in the agent cgroup.
 echo $$ > /sys/fs/cgroup/agent/cgroup.procs || echo "HUTCH_WARN cannot join the agent cgroup"
-# RLIMIT_NPROC (dash: ulimit -p) caps processes per real uid; root ignores it, so the agent is
+# RLIMIT_NPROC (busybox ash: ulimit -u) caps processes per real uid; root ignores it, so the agent is
 # unaffected while tenant commands (which inherit it) cannot fork without bound.
-ulimit -p "$nproc" 2>/dev/null || echo "HUTCH_WARN cannot set RLIMIT_NPROC to $nproc"
+ulimit -u "$nproc" 2>/dev/null || echo "HUTCH_WARN cannot set RLIMIT_NPROC to $nproc"
 
 # Options this agent build understands beyond the basics (written at image build time).
 set --
@@ -32,9 +35,18 @@ if [ -r /opt/hutch/agent-flags ]; then
   done < /opt/hutch/agent-flags
 fi
 
+# The template's --env pairs (KEY=VALUE lines) reach tenant commands through the agent.
+if [ -r /etc/hutch/env ]; then
+  while IFS= read -r kv; do
+    case "$kv" in *=*) set -- "$@" "--env=$kv" ;; esac
+  done < /etc/hutch/env
+fi
+
 # The agent's log lines go to the console. The first "agent.listening" line is
 # the readiness signal; after that the loop just copies lines through.
-node /opt/hutch/hutch-agent.mjs --listen "$listen" --root /work --mount-point /work \
+# Node from the agent layer, with the layer's own glibc and libraries (bin/node loads
+# them through the layer's dynamic loader): the template's libc is never involved.
+/opt/hutch/bin/node /opt/hutch/hutch-agent.mjs --listen "$listen" --root /work --mount-point /work \
   --run-as 1000:1000 --log-level "$agent_log_level" "$@" 2>&1 | {
   ready=0
   while IFS= read -r line; do

@@ -1,29 +1,38 @@
 #!/bin/sh
-# hutch guest init (/sbin/init, PID 1 until it execs tini).
+# hutch guest init: /sbin/init of the agent layer, PID 1 until it execs tini.
 #
-# Boots a hutch sandbox from the read-only ext4 root:
+# The kernel's root (/dev/vda) is hutch's read-only agent layer: this script, a static
+# busybox, tini, Node with its own glibc and libraries, the agent bundle and its helpers.
+# The template's root filesystem (the user's image) is the second read-only disk. Init:
 #   1. proc, sys, devtmpfs; settings from hutch.* kernel parameters
-#   2. the root becomes an overlay: lower = the read-only ext4 root, upper and
-#      work on a tmpfs at /run/hutch/overlay. Every write outside /work and /tmp
-#      lands in /run/hutch/overlay/upper, so "the VM is dirty" is exactly
-#      "that directory is not empty" (init leaves it empty; checked below).
+#      (hutch.mode=build hands over to /build.sh: a template build, see there)
+#   2. the template's root becomes an overlay: lower = its read-only ext4, upper and
+#      work on a tmpfs at /run/hutch/overlay; the agent layer moves to /opt/hutch in it.
+#      Every write outside /work and /tmp lands in /run/hutch/overlay/upper, so "the VM
+#      is dirty" is exactly "that directory is not empty" (init leaves it empty).
 #   3. /work (tenant-owned) and /tmp are their own tmpfs mounts, outside the overlay
 #   4. swap on the spare virtio disk, zswap, cgroup v2 (agent / workload)
-#   5. loopback up, Python's stdlib imported once (page cache warm before the
-#      host takes the pristine snapshot)
+#   5. loopback up; the template's start command (/etc/hutch/start: the default
+#      template imports Python's stdlib once) warms the page cache before the host
+#      takes the pristine snapshot
 #   6. exec tini, which runs agent-start (the agent in its cgroup; HUTCH_READY)
 # Console protocol (lines the host may parse): HUTCH_READY <uptime s>,
 # HUTCH_WARN <text>, HUTCH_FAILED <text>, HUTCH_AGENT_EXITED <status>.
 #
-# POSIX sh (dash): under TCG every process start costs milliseconds, so this
-# script uses builtins wherever it can and starts as few processes as possible.
+# POSIX sh (busybox ash, from the agent layer): under TCG every process start costs
+# milliseconds, so this script uses builtins wherever it can. Every tool it runs is the
+# layer's busybox (/bin here, /opt/hutch/bin after the switch), never the template's.
 
-PATH=/usr/sbin:/usr/bin:/sbin:/bin
+PATH=/bin
 export PATH
 umask 022
 
 HUTCH_RUN=/run/hutch
-NEWROOT=/opt/hutch/newroot
+NEWROOT=/newroot
+# Where the agent layer is seen from inside the template's root.
+LAYER=/opt/hutch
+# The template's root filesystem: the second virtio disk (hutch.rootdisk= overrides).
+rootdisk=/dev/vdb
 TENANT_UID=1000
 TENANT_GID=1000
 
@@ -74,6 +83,7 @@ tmp_size=
 overlay_size=
 agent_log_level=info
 debug=0
+mode=run
 read -r cmdline < /proc/cmdline
 for arg in $cmdline; do
   case "$arg" in
@@ -97,6 +107,9 @@ for arg in $cmdline; do
         overlay_size) overlay_size=$val ;;
         agent_log_level) agent_log_level=$val ;;
         debug) debug=$val ;;
+        mode) mode=$val ;;
+        rootdisk) rootdisk=$val ;;
+        build_*) ;; # for /build.sh
         *) warn "unknown kernel parameter hutch.$key (ignored)" ;;
       esac
       ;;
@@ -104,6 +117,8 @@ for arg in $cmdline; do
 done
 [ "$debug" = 1 ] && set -x
 mark "starting"
+# A template build: no agent, no overlay; /build.sh prepares the target disk and ends the VM.
+[ "$mode" = build ] && exec /bin/sh /build.sh
 
 # --- 2. the overlay root -------------------------------------------------------
 mount -n -t tmpfs -o "nosuid,nodev,mode=0755${overlay_size:+,size=$overlay_size}" run /run || die "cannot mount /run"
@@ -112,18 +127,21 @@ mkdir -p "$HUTCH_RUN/overlay/upper" "$HUTCH_RUN/overlay/work" "$HUTCH_RUN/lower"
 # what / shows), and it lets an unprivileged exec check dirtiness with a plain
 # `ls -A`. Files inside keep their own permissions; overlayfs's work dir is root's.
 chmod 0700 "$HUTCH_RUN/overlay/work"
+mount -n -t ext4 -o ro "$rootdisk" "$HUTCH_RUN/lower" || die "cannot mount the template's root filesystem $rootdisk"
+# What every template root must have (the template build checks it; this catches a
+# disk that is not a hutch template at all).
+[ -d "$HUTCH_RUN/lower$LAYER" ] || die "$rootdisk is not a hutch template root (no $LAYER mount point)"
 mount -n -t overlay overlay \
-  -o "lowerdir=/,upperdir=$HUTCH_RUN/overlay/upper,workdir=$HUTCH_RUN/overlay/work,index=off,metacopy=off" \
+  -o "lowerdir=$HUTCH_RUN/lower,upperdir=$HUTCH_RUN/overlay/upper,workdir=$HUTCH_RUN/overlay/work,index=off,metacopy=off" \
   "$NEWROOT" || die "cannot mount the overlay root (is overlayfs in the kernel?)"
 for m in /proc /sys /dev /run; do
   mount -n --move "$m" "$NEWROOT$m" || die "cannot move $m into the overlay root"
 done
 cd "$NEWROOT" || die "cannot enter $NEWROOT"
-pivot_root . "${HUTCH_RUN#/}/lower" || die "pivot_root into the overlay failed"
+# The agent layer (the current root) becomes /opt/hutch of the template's root, read-only.
+pivot_root . "${LAYER#/}" || die "pivot_root into the overlay failed"
 cd /
-# The old root is the overlay's lower layer; the overlay keeps its own reference.
-umount -n -l "$HUTCH_RUN/lower" && rmdir "$HUTCH_RUN/lower"
-
+PATH=$LAYER/bin
 mark "overlay root ready"
 
 # --- 3. writable places outside the overlay, and the rest of /dev ----------------
@@ -163,7 +181,9 @@ case "$swap" in
   *) warn "hutch.swap=$swap: expected auto, off or /dev/NAME" ;;
 esac
 if [ -n "$swapdev" ]; then
-  kind=$(blkid -p -o value -s TYPE "$swapdev" 2>/dev/null)
+  # A swap signature sits in the last 10 bytes of the first 4 KiB page.
+  kind=
+  [ "$(dd if="$swapdev" bs=1 skip=4086 count=10 2>/dev/null)" = SWAPSPACE2 ] && kind=swap
   if [ -z "$kind" ] && cmp -s -n 1048576 "$swapdev" /dev/zero; then
     # A fresh (all-zero) disk: format it. Anything else non-swap is left alone.
     mkswap -L hutch-swap "$swapdev" > /dev/null && kind=swap
@@ -240,14 +260,31 @@ fi
 
 mark "swap, zswap and cgroups ready"
 
-# --- 5. warm caches ------------------------------------------------------------
-# boot.py brings up loopback (no iproute2 in the image) and, with preload=1,
-# imports the stdlib modules test suites use. -B: never write bytecode (a root
-# process could otherwise put .pyc files in the overlay and dirty a fresh VM).
-HUTCH_PRELOAD=$preload python3 -B -I /opt/hutch/boot.py || warn "boot.py failed (status $?)"
-mark "python preload done"
+# --- 5. network, warm caches ----------------------------------------------------
+# Loopback only (no NIC in the hutch kernel): test suites and dev servers bind 127.0.0.1.
+ip link set lo up || warn "cannot bring up loopback"
+# The template's start command (written by the template build): warms what its users
+# will run, so every VM restored from the pristine snapshot inherits a warm page cache.
+# Run as root in the template's user space, with its environment; whatever it writes
+# outside /tmp lands in the overlay (and is reported below: a dirty fresh VM).
+if [ -r /etc/hutch/start ]; then
+  (
+    # The template's own PATH and tools from here on; the layer's busybox last.
+    PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$LAYER/bin
+    HOME=/root
+    export HOME HUTCH_PRELOAD="$preload"
+    if [ -r /etc/hutch/env ]; then
+      while IFS= read -r kv; do case "$kv" in *=*) export "$kv" ;; esac; done < /etc/hutch/env
+    fi
+    wd=/
+    [ -r /etc/hutch/workdir ] && read -r wd < /etc/hutch/workdir
+    cd "$wd" 2>/dev/null || cd /
+    exec /bin/sh /etc/hutch/start
+  ) || warn "the template's start command failed (status $?)"
+fi
+mark "start command done"
 if [ "$preload_node" = 1 ]; then
-  node -e 0 || warn "node -e 0 failed"
+  $LAYER/bin/node -e 0 || warn "node -e 0 failed"
   mark "node warm-up done"
 fi
 
@@ -268,5 +305,5 @@ done
   } > "$HUTCH_RUN/settings"
 )
 mark "handing over to tini"
-exec /usr/bin/tini -- /opt/hutch/agent-start.sh
+exec $LAYER/bin/tini -- $LAYER/bin/sh $LAYER/agent-start.sh
 die "cannot exec tini"

@@ -33,6 +33,7 @@ export const ERROR_CODES = [
   'interrupted', // the channel to the guest was reset while the call was in flight: it may or may not have run
   'stale_epoch', // a frame of an earlier connection epoch reached a newer one (the peer re-handshakes)
   'unavailable', // a feature this host or kernel cannot provide
+  'unusable_rootfs', // a template's root filesystem lacks what hutch needs (context.missing names it)
   'internal',
 ] as const;
 

@@ -49,6 +49,8 @@ export const CreateParams = z.object({
   workspace: WorkspaceSourceSchema.optional(),
   /** A stable id chosen by the harness; generated when absent. */
   id: sessionId.optional(),
+  /** The template the session's VM boots (hutch template ls); absent: the default template. */
+  template: z.string().min(1).max(63).optional(),
   /** Workspace quota (allocated bytes, entries); each at most the broker's (--quota-bytes, --quota-files). */
   quota: z.object({ bytes: z.number().int().positive().optional(), files: z.number().int().positive().optional() }).optional(),
 });
@@ -145,6 +147,8 @@ export const SessionInfoSchema = z.object({
   session: z.string(),
   cpus: z.number(),
   memoryMiB: z.number(),
+  /** The session's template ("default" when it named none). */
+  template: z.string().optional(),
   backend: z.string(),
   /** Is a VM (or local agent) currently running for it. */
   live: z.boolean(),

@@ -18,6 +18,8 @@ export interface SandboxSpec {
   stateDir: string;
   cpus: number;
   memoryMiB: number;
+  /** The session's template (templates/store.ts); absent: the default template. */
+  template?: string;
   /** The session's workspace quota: sizes the guest's /work (tmpfs size= and nr_inodes=). */
   quota?: { bytes: number; files: number };
   /** Steps of the guest's own memory policy (a VM's agent applies them; policy/memory-policy.ts). */
@@ -142,6 +144,8 @@ export interface VmBackend {
   readonly writesHostWorkspace?: boolean;
   /** Can sandboxes be suspended into snapshot slots? */
   readonly canSuspend: boolean;
+  /** Throws not_found unless the template exists (backends without templates leave this out). */
+  checkTemplate?(name: string): void;
   /** The current pristine snapshot's key (slots based on another one are stale). */
   pristineKey?(spec: SandboxSpec): Promise<string>;
   /** Starts a sandbox: from a slot when given (the session's last dirty state), else fresh. */

@@ -21,6 +21,7 @@ import { ensureGuestImage, type KernelChoice, type ResolvedGuestImage } from '..
 import { cleanupOrphans } from '../vm/orphans.ts';
 import { QemuDriver, qemuPids } from '../vm/qemu-driver.ts';
 import { SnapshotStore } from '../vm/snapshot-store.ts';
+import { TemplateImages, type TemplateImage } from '../templates/images.ts';
 import type { Accel, Vm } from '../vm/vmm.ts';
 import type { GuestState, ReclaimInfo, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
 
@@ -90,7 +91,8 @@ export class QemuBackend implements VmBackend {
   }
 
   async pristineKey(spec: SandboxSpec): Promise<string> {
-    return this.snapshots.key(this.image, this.size(spec));
+    const t = this.template(spec.template);
+    return t.snapshots.key(t.image, this.size(spec));
   }
 
   async start(spec: SandboxSpec, opts: StartOptions = {}): Promise<{ sandbox: Sandbox; wake: WakeInfo }> {
@@ -98,11 +100,12 @@ export class QemuBackend implements VmBackend {
     this.markImageInUse();
     const { from } = opts;
     const size = this.size(spec);
-    const pristine = await this.snapshots.pristine(this.image, size);
+    const t = this.template(spec.template);
+    const pristine = await t.snapshots.pristine(t.image, size);
     if (from && from.pristineKey !== pristine.meta.key) {
       throw new HutchError('unavailable', `snapshot slot ${from.dir} was taken from another pristine snapshot (${from.pristineKey}); it cannot be restored`, { slot: from.dir });
     }
-    const vmSpec = { id: spec.session, dir: join(this.runRoot, spec.session), image: this.image, ...size };
+    const vmSpec = { id: spec.session, dir: join(this.runRoot, spec.session), image: t.image, ...size };
     const vm = opts.coldBoot && !from ? await this.driver.boot(vmSpec) : await this.driver.restore(vmSpec, { memory: pristine.memory, state: from ? from.state : pristine.state });
     const restoreMs = performance.now() - t0;
     const phases: Record<string, number> = { restore: Math.round(restoreMs) };
@@ -178,6 +181,19 @@ export class QemuBackend implements VmBackend {
   private get deadAfterMs(): number | undefined {
     const v = this.opts.guestDeadAfterMs ?? Number(process.env['HUTCH_GUEST_DEAD_AFTER_MS'] ?? NaN);
     return Number.isFinite(v) && v > 0 ? v : undefined;
+  }
+
+  private templateImages: TemplateImages | undefined;
+
+  /** A session's template: its image and its own pristine snapshots (templates/images.ts); not_found when unknown. */
+  template(name?: string): TemplateImage {
+    this.templateImages ??= new TemplateImages({ name: 'default', image: this.image, snapshots: this.snapshots }, this.opts.dataDir, this.driver, this.opts.log);
+    return this.templateImages.get(name);
+  }
+
+  /** Checks at create that a template exists (the same lookup a wake does). */
+  checkTemplate(name: string): void {
+    this.template(name);
   }
 
   private imageTouchedAt = 0;

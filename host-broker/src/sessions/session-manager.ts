@@ -1,4 +1,5 @@
 import { chmodSync, existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { DEFAULT_TEMPLATE, validateTemplateName } from '../templates/store.ts';
 import { randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import type { z } from 'zod';
@@ -84,7 +85,12 @@ export class SessionManager {
       if (asked !== undefined && asked > broker[k]) throw new HutchError('bad_request', `quota.${k} may be at most the broker's ${broker[k]} (asked ${asked})`, { limit: k, asked, quota: broker[k] });
     }
     const quota = { bytes: p.quota?.bytes ?? broker.bytes, files: p.quota?.files ?? broker.files };
-    const meta: SessionMeta = { id, cpus: p.cpus ?? DEFAULT_CPUS, memoryMiB: p.memoryMiB ?? DEFAULT_MEMORY_MIB, createdAt: new Date().toISOString(), quota };
+    const template = p.template === undefined || p.template === DEFAULT_TEMPLATE ? undefined : validateTemplateName(p.template);
+    if (template !== undefined) {
+      if (!this.deps.backend.checkTemplate) throw new HutchError('unavailable', `the ${this.deps.backend.name} backend has no templates (the qemu backend boots them)`, { template });
+      this.deps.backend.checkTemplate(template);
+    }
+    const meta: SessionMeta = { id, cpus: p.cpus ?? DEFAULT_CPUS, memoryMiB: p.memoryMiB ?? DEFAULT_MEMORY_MIB, ...(template ? { template } : {}), createdAt: new Date().toISOString(), quota };
     const dir = join(this.root, id);
     privateDir(dir);
     mkdirSync(join(dir, 'workspace'), { recursive: true });

@@ -25,6 +25,8 @@ export interface SessionMeta {
   id: string;
   cpus: number;
   memoryMiB: number;
+  /** The template its VM boots (absent: the default template). */
+  template?: string;
   createdAt: string;
   /** The workspace quota asked at create (never above the broker's). */
   quota?: QuotaLimits;
@@ -106,6 +108,7 @@ export class Session {
       session: this.meta.id,
       cpus: this.meta.cpus,
       memoryMiB: this.meta.memoryMiB,
+      template: this.meta.template ?? 'default',
       backend: this.deps.backend.name,
       live: this.vm.live,
       createdAt: this.meta.createdAt,
@@ -326,7 +329,7 @@ export class Session {
   }
 
   private spec(): SandboxSpec {
-    return { session: this.id, workspaceDir: this.workspaceDir, stateDir: this.stateDir, cpus: this.meta.cpus, memoryMiB: this.meta.memoryMiB, quota: this.quota.limits, memoryPolicy: memoryStepsFor(this.deps.policy) };
+    return { session: this.id, workspaceDir: this.workspaceDir, stateDir: this.stateDir, cpus: this.meta.cpus, memoryMiB: this.meta.memoryMiB, ...(this.meta.template ? { template: this.meta.template } : {}), quota: this.quota.limits, memoryPolicy: memoryStepsFor(this.deps.policy) };
   }
 }
 

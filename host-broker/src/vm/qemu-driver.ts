@@ -102,6 +102,7 @@ export class QemuDriver implements VmmDriver {
       ...(guardFd !== undefined ? { extraFds: [guardFd] } : {}),
       interesting: /HUTCH_|panic|error|Kernel|qemu-system/i,
       onLine: (l) => {
+        spec.onConsole?.(l);
         console.push(l);
         if (console.length > 200) console.shift();
       },
@@ -157,9 +158,17 @@ export class QemuDriver implements VmmDriver {
         ...(this.accel === 'tcg' && this.opts.tscKhz ? { tcgTscKhz: this.opts.tscKhz } : {}),
         extra: ['init=/sbin/init', ...(img.cmdline ?? []), ...(vsock ? [`hutch.listen=vsock:${vsock.port}`] : [])],
       }),
+      // Device order decides the guest's names (and must match a snapshot's): the agent
+      // layer is /dev/vda (the kernel's root), the template's root /dev/vdb, then extra
+      // disks, then swap (init takes the first writable disk that is not its root).
+      '-drive', `id=layer,file=${img.agentLayer},format=raw,if=none,readonly=on`,
+      '-device', 'virtio-blk-device,drive=layer',
       '-drive', `id=root,file=${img.rootfs},format=raw,if=none,readonly=on`,
       '-device', 'virtio-blk-device,drive=root',
     ];
+    (spec.disks ?? []).forEach((d, i) => {
+      a.push('-drive', `id=disk${i},file=${d.file},format=raw,if=none${d.readonly ? ',readonly=on' : ',cache=unsafe'}`, '-device', `virtio-blk-device,drive=disk${i}`);
+    });
     if (spec.swapMiB > 0) {
       a.push('-drive', `id=swap,file=${join(spec.dir, 'swap.img')},format=raw,if=none,cache=unsafe,discard=unmap`, '-device', 'virtio-blk-device,drive=swap');
     }

@@ -3,6 +3,7 @@ import { createHash } from 'node:crypto';
 import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { execFileSync } from 'node:child_process';
 import { join } from 'node:path';
+import { tmpdir } from 'node:os';
 import { performance } from 'node:perf_hooks';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { connectAgent, detachAgent } from './agent-channel.ts';
@@ -30,9 +31,10 @@ export interface Pristine extends SnapshotFiles {
  * layout), or when snapshots made before a fix cannot be trusted: 2 = memory files written
  * before restored VMs ran under the shared-RAM guard may have holes punched in them;
  * 3 = snapshots taken with the agent detached (epoch handshake); 4 = the state file's
- * writer is waited for (before, a busy host could leave it truncated).
+ * writer is waited for (before, a busy host could leave it truncated); 5 = the agent layer
+ * is the first disk, the template's root the second, swap the third (templates).
  */
-const LAYOUT_VERSION = 4;
+const LAYOUT_VERSION = 5;
 
 /**
  * The pristine snapshot: one VM booted to a warm, ready agent, paused, its RAM kept in a
@@ -117,8 +119,11 @@ export class SnapshotStore {
       mkdirSync(tmp, { recursive: true });
       this.log.info('snapshot.pristine_build', { key, memoryMiB: size.memoryMiB, cpus: size.cpus, accel: this.driver.accel });
       const t0 = performance.now();
+      // The VM's sockets live in a short runtime dir: a Unix socket path has at most 107
+      // bytes, and a template's snapshot dir can be deep under any data dir.
+      const vmDir = join(tmpdir(), `hutch-pristine-${key.slice(0, 8)}-${process.pid}`);
       const vm = await this.driver.boot(
-        { id: `pristine-${key.slice(0, 8)}`, dir: join(tmp, 'vm'), image, memoryMiB: size.memoryMiB, cpus: size.cpus, swapMiB: size.swapMiB },
+        { id: `pristine-${key.slice(0, 8)}`, dir: vmDir, image, memoryMiB: size.memoryMiB, cpus: size.cpus, swapMiB: size.swapMiB },
         { file: join(tmp, 'memory.img'), shared: true },
       );
       try {
@@ -134,7 +139,7 @@ export class SnapshotStore {
         await vm.destroy();
         const meta: PristineMeta = { key, ...size, accel: this.driver.accel, bootMs: Math.round(bootMs), snapshotMs: Math.round(snap.ms), stateBytes: snap.stateBytes, createdAt: new Date().toISOString() };
         writeFileSync(join(tmp, 'meta.json'), JSON.stringify(meta, null, 2));
-        rmSync(join(tmp, 'vm'), { recursive: true, force: true });
+        rmSync(vmDir, { recursive: true, force: true });
         renameSync(tmp, dir);
         this.log.info('snapshot.pristine_ready', { ...meta });
         return { meta, dir, memory: join(dir, 'memory.img'), state: join(dir, 'state.bin') };

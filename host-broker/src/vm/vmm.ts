@@ -14,8 +14,13 @@ export interface GuestImage {
   initrd?: string;
   /** 'hutch' kernels have drivers built in and take devices from the command line. */
   flavor: 'hutch' | 'debian';
-  /** Read-only root filesystem image (ext4). */
+  /** The template's read-only root filesystem image (ext4): the guest's second disk, /dev/vdb. */
   rootfs: string;
+  /**
+   * hutch's read-only agent layer (ext4: init, Node, the agent; rootfs/agent-layer.ts): the
+   * first disk and the kernel's root, /dev/vda. Its init mounts `rootfs` and pivots into it.
+   */
+  agentLayer: string;
   /** Extra kernel command line pieces (e.g. hutch.* settings for the guest init). */
   cmdline?: readonly string[];
 }
@@ -39,6 +44,10 @@ export interface VmSpec {
   swapMiB: number;
   /** Agent channel; default virtio-serial. */
   channel?: AgentChannel;
+  /** Further disks after the template's root (template builds: target, spec, layers). */
+  disks?: readonly { file: string; readonly: boolean }[];
+  /** Every console line as it arrives (template builds read their progress from it). */
+  onConsole?: (line: string) => void;
 }
 
 export interface MemoryBacking {
