@@ -105,6 +105,20 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
     b.close();
   }, 120_000);
 
+  it('streamed output comes through a gateway whole and in order, in either encoding', async () => {
+    const sid = [...placed.keys()][0] as string;
+    for (const encoding of ['msgpack', 'json'] as const) {
+      const h = await Hutch.connect(g1.url, { token: TENANTS.alice, encoding });
+      const chunks: string[] = [];
+      const r = await (await h.attach(sid)).run('seq 1 200000; echo end >&2', { onStdout: (c) => void chunks.push(c), maxOutputBytes: 4 * 1024 * 1024 });
+      const expected = Array.from({ length: 200000 }, (_, i) => `${i + 1}\n`).join('');
+      expect(chunks.join('')).toBe(expected);
+      expect(r.stdout).toBe(expected);
+      expect(r.stderr).toBe('end\n');
+      h.close();
+    }
+  }, 60_000);
+
   it('two gateways creating one id at the same moment place it once (SET NX in the catalog)', async () => {
     const [a, b] = [await Hutch.connect(g1.url, { token: TENANTS.alice }), await Hutch.connect(g2.url, { token: TENANTS.bob })];
     for (let i = 0; i < 5; i++) {

@@ -26,6 +26,8 @@ export class Upstream {
   private nextId = 1;
   private readonly pending = new Map<number, Pending>();
   private closedError: HutchError | undefined;
+  /** Output chunks handed to clients that have not been flushed to them yet. */
+  private waitingSinks = 0;
   /** When the last request finished (an idle connection is closed by the pool). */
   lastUsed = Date.now();
 
@@ -102,7 +104,16 @@ export class Upstream {
       return; // a broker bug; the request it belonged to times out with the client
     }
     if (m.t === 'out') {
-      void this.pending.get(m.call)?.out?.(m.fd, typeof m.d === 'string' ? Buffer.from(m.d) : m.d);
+      const sent = this.pending.get(m.call)?.out?.(m.fd, typeof m.d === 'string' ? Buffer.from(m.d) : m.d);
+      // A client reading slowly: stop reading the broker until it catches up, so its output
+      // waits in the broker's socket (which the broker bounds), not in the gateway's memory.
+      if (sent instanceof Promise) {
+        if (this.waitingSinks++ === 0) this.ws.pause();
+        const done = () => {
+          if (--this.waitingSinks === 0) this.ws.resume();
+        };
+        sent.then(done, done);
+      }
       return;
     }
     if (m.t === 'evt') {
