@@ -5,6 +5,7 @@
  * killed loses nothing, a broker killed answers `unavailable` naming it, a drained broker
  * finishes its call in flight, deregisters, and gets its sessions back when it restarts.
  */
+import { createHash, randomBytes } from 'node:crypto';
 import { existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -116,6 +117,24 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
       expect(r.stdout).toBe(expected);
       expect(r.stderr).toBe('end\n');
       h.close();
+    }
+  }, 60_000);
+
+  it('streamed uploads and downloads (ops added to the protocol after the gateway) are routed by their session field', async () => {
+    const [sid, owner] = [...placed][1] as [string, string];
+    const data = randomBytes(3 * 1024 * 1024 + 17);
+    const digest = createHash('sha256').update(data).digest('hex');
+    for (const encoding of ['msgpack', 'json'] as const) {
+      const up = await Hutch.connect(g1.url, { token: TENANTS.alice, encoding });
+      const r = await (await up.attach(sid)).files.upload(`big-${encoding}.bin`, data, { size: data.length });
+      expect(r.sha256).toBe(digest);
+      up.close();
+      expect(createHash('sha256').update(readFileSync(join(work, `data-${owner}`, 'sessions', sid, 'workspace', `big-${encoding}.bin`))).digest('hex')).toBe(digest);
+      const down = await Hutch.connect(g2.url, { token: TENANTS.alice, encoding });
+      const parts: Buffer[] = [];
+      for await (const c of (await down.attach(sid)).files.download(`big-${encoding}.bin`)) parts.push(c);
+      expect(createHash('sha256').update(Buffer.concat(parts)).digest('hex')).toBe(digest);
+      down.close();
     }
   }, 60_000);
 
