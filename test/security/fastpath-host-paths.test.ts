@@ -82,12 +82,12 @@ describe.skipIf(!bwrapPresent)('fast path: no host path or broker secret is read
     let out = '';
     let err = '';
     const r = await fp.run({
-      command: 'ls; cat a.txt; grep -rn hello .; sed -n 1p a.txt; find . -name "*.txt"; echo a b | xargs -n1 echo; git init -q . && git status --short; wc -l < a.txt; sort a.txt | uniq -c | head -1',
+      command: 'ls; cat a.txt; grep -rn hello .; sed -n 1p a.txt; find . -name "*.txt"; echo a b | xargs -n1 echo; git init -q . && git status --short; wc -l < a.txt; sort a.txt | uniq -c | head -1; echo to-stderr >&2',
       workspace: ws,
       onStdout: (c) => void (out += c.toString()),
       onStderr: (c) => void (err += c.toString()),
     });
-    expect(err).toBe('');
+    expect(err).toBe('to-stderr\n');
     expect(r.exitCode).toBe(0);
     expect(out).toContain('./a.txt:1:hello\n');
     expect(out).toContain('a\nb\n');

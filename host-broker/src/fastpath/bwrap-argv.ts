@@ -52,9 +52,11 @@ const PROC_MASK_DIRS = ['/proc/acpi', '/proc/asound', '/proc/scsi'];
  * paths. What the router admits (ls, cat, sed, grep, find, git, wc, sort, ...) was traced
  * (strace -e trace=%file): git reads nothing in /proc; ls, sed, find and stat read
  * /proc/filesystems (libselinux's probe); grep and diff read /proc/self/maps and xargs
- * /proc/self/fd, each only as an optional probe they do without. Lost: /dev/fd and
- * /dev/stdin for programs (bash emulates them in its own redirections) and process
- * substitution, which the router already sends to the VM. Nine mounts for /proc instead of
+ * /proc/self/fd, each only as an optional probe they do without. Lost: /dev/stdin,
+ * /dev/stdout, /dev/stderr and /dev/fd/N, links into /proc/self/fd that bash opens even in
+ * its own redirections, so the router sends a command naming one to the VM
+ * (router/paths.ts; `>&2` names no file and stays here), as it already did process
+ * substitution. Nine mounts for /proc instead of
  * seventeen: `cat` in plain bwrap measured 21.5 ms p50 against 24.1 ms with the masked
  * procfs (interleaved A/B, 80 runs each, on a loaded 2-core host). The sysctls stay readable
  * (read-only, as before); the other entries are kernel-wide and show no host paths.

@@ -19,8 +19,14 @@ export type PathPlace =
   | { kind: 'outside'; why: string };
 
 /** Devices that behave identically in a bubblewrap `--dev` and in the guest. */
-export const READ_DEVICES = new Set(['/dev/null', '/dev/stdin', '/dev/zero', '/dev/urandom', '/dev/random', '/dev/fd/0']);
-export const WRITE_DEVICES = new Set(['/dev/null', '/dev/stdout', '/dev/stderr', '/dev/fd/1', '/dev/fd/2']);
+export const READ_DEVICES = new Set(['/dev/null', '/dev/zero', '/dev/urandom', '/dev/random']);
+export const WRITE_DEVICES = new Set(['/dev/null']);
+/**
+ * Links into /proc/self/fd. The fast path has no procfs (a procfs shows the workspace's host
+ * path: fastpath/bwrap-argv.ts), and bash opens these files even in its own redirections, so
+ * a command naming one runs in the VM; `>&2` and `<&0` name no file and stay on the fast path.
+ */
+const FD_LINKS = new Set(['/dev/stdin', '/dev/stdout', '/dev/stderr', '/dev/fd']);
 
 export interface PathInput {
   value: string;
@@ -57,6 +63,7 @@ function placeAbsolute(v: string, globDotDot: boolean): PathPlace {
   if (norm === WORKSPACE_MOUNT || norm.startsWith(`${WORKSPACE_MOUNT}/`)) return { kind: 'workspace' };
   if (norm === '/tmp' || norm.startsWith('/tmp/')) return { kind: 'tmp', path: norm };
   if (READ_DEVICES.has(norm) || WRITE_DEVICES.has(norm)) return { kind: 'device', path: norm };
+  if (FD_LINKS.has(norm) || norm.startsWith('/dev/fd/')) return { kind: 'outside', why: `\`${v}\`, a link into /proc/self/fd (the fast path has no procfs)` };
   return { kind: 'outside', why: `\`${v}\`, outside the workspace and /tmp` };
 }
 
