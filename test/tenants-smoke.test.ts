@@ -19,7 +19,11 @@ describe('bench/tenants.ts --quick', { tags: ['vm'] }, () => {
     } catch {
       throw new Error(`the last line is not JSON: ${last.slice(0, 200)}\nstderr tail: ${stderr.slice(-2000)}`);
     }
-    for (const k of ['accel', 'level', 'tenants', 'calls', 'wakes', 'errors', 'p50_added_ms', 'p99_added_ms', 'peak_host_mib', 'time_compression']) expect(summary, `key ${k}`).toHaveProperty(k);
+    for (const k of ['accel', 'level', 'tenants', 'calls', 'wakes', 'errors', 'p50_added_ms', 'p99_added_ms', 'peak_host_mib', 'time_compression', 'max_tenants_broker_rule', 'level4_over_level1', 'levels']) expect(summary, `key ${k}`).toHaveProperty(k);
+    const levels = summary['levels'] as Array<Record<string, unknown>>;
+    expect(levels.map((l) => l['level'])).toEqual(['4']);
+    expect(levels[0]).toHaveProperty('max_tenants_broker_rule');
+    expect(levels[0]).toHaveProperty('host_mib_per_tenant');
     expect(summary['unavailable'], String(summary['unavailable'])).toBeUndefined();
     expect(summary['level']).toBe('4');
     expect(summary['time_compression']).toBeGreaterThan(1);

@@ -18,14 +18,24 @@ export interface SearchPlan {
   stepEstimateMs: number;
   /** Stop bisecting when the bracket is this tight relative to the last pass (0.125 = 12.5%). */
   resolution: number;
+  /**
+   * Which pass rule drives the search: 'published' (p99 added over bare host < 1.5 s) or
+   * 'broker' (p99 of the broker's own added time < 1.5 s). Both are reported either way,
+   * each as the largest N among the steps run that passed it.
+   */
+  rule: 'published' | 'broker';
   run(tenants: number): Promise<{ result: StepResult; samples: CallSample[] }>;
   progress(m: string): void;
 }
 
 export interface LevelResult {
   level: string;
-  /** Largest N that passed (0: none did). */
+  /** Largest N that passed the published rule (0: none did). */
   max_tenants: number;
+  /** Largest N that passed the broker-added rule (0: none did; absent in results older than the rule). */
+  max_tenants_broker_rule?: number;
+  /** The rule that drove the search. */
+  rule?: 'published' | 'broker';
   unavailable?: string;
   /** Why the search stopped where it did. */
   stopped: string;
@@ -35,6 +45,15 @@ export interface LevelResult {
 /** `afterStep` sees the level so far after every step (results are written as they come, not only at the end). */
 export async function searchLevel(p: SearchPlan, afterStep: (level: LevelResult, tenants: number, s: CallSample[]) => void): Promise<LevelResult> {
   const steps: StepResult[] = [];
+  const maxPassing = (ok: (s: StepResult) => boolean) => steps.filter(ok).reduce((m, s) => Math.max(m, s.tenants), 0);
+  const result = (stopped: string): LevelResult => ({
+    level: p.level,
+    max_tenants: maxPassing((s) => s.pass),
+    max_tenants_broker_rule: maxPassing((s) => s.pass_broker_rule),
+    rule: p.rule,
+    stopped,
+    steps,
+  });
   let lo = 0;
   let hi = Infinity;
   let n = Math.max(1, p.start);
@@ -52,16 +71,17 @@ export async function searchLevel(p: SearchPlan, afterStep: (level: LevelResult,
     try {
       step = await p.run(n);
     } catch (err) {
-      if (err instanceof LevelUnavailable) return { level: p.level, max_tenants: 0, unavailable: err.message, stopped: 'level unavailable', steps };
+      if (err instanceof LevelUnavailable) return { ...result('level unavailable'), max_tenants: 0, max_tenants_broker_rule: 0, unavailable: err.message };
       // One broken step (say, the guest image rebuilt under us) should not lose the steps before it.
       stopped = `the step at N=${n} could not run: ${(err as Error).message}`;
       p.progress(stopped);
       break;
     }
     steps.push(step.result);
-    if (step.result.pass) lo = Math.max(lo, n);
-    afterStep({ level: p.level, max_tenants: lo, stopped: `in progress (last step N=${n})`, steps }, n, step.samples);
-    if (!step.result.pass) hi = Math.min(hi, n);
+    const passed = p.rule === 'broker' ? step.result.pass_broker_rule : step.result.pass;
+    if (passed) lo = Math.max(lo, n);
+    afterStep(result(`in progress (last step N=${n})`), n, step.samples);
+    if (!passed) hi = Math.min(hi, n);
 
     if (hi === Infinity) {
       if (n >= p.max) {
@@ -72,7 +92,7 @@ export async function searchLevel(p: SearchPlan, afterStep: (level: LevelResult,
     } else if (lo === 0) {
       // Nothing passes; keep walking the ladder for the curve, unless the runtime broke.
       if (step.result.errors > 0 || step.result.oom_kills > 0) {
-        stopped = `no N passed; stopped the curve at N=${n} (${step.result.fail_reasons.join('; ')})`;
+        stopped = `no N passed; stopped the curve at N=${n} (${(p.rule === 'broker' ? step.result.broker_rule_fail_reasons : step.result.fail_reasons).join('; ')})`;
         break;
       }
       if (n >= p.max) {
@@ -90,5 +110,5 @@ export async function searchLevel(p: SearchPlan, afterStep: (level: LevelResult,
     }
   }
   if (lo === 0 && !stopped.startsWith('no N passed')) stopped = `no N passed; ${stopped}`;
-  return { level: p.level, max_tenants: lo, stopped, steps };
+  return result(stopped);
 }
