@@ -14,6 +14,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createLogger } from '../../guest-agent/src/log.ts';
 import { Principals } from '../../host-broker/src/api/principals.ts';
 import { Gateway } from '../../host-broker/src/gateway/gateway.ts';
+import { ClusterMember } from '../../host-broker/src/catalog/member.ts';
 import { PRINCIPAL_HEADER } from '../../host-broker/src/gateway/credential.ts';
 import { Hutch, HutchError } from '../../host-broker/src/sdk/index.ts';
 import { clusterSkipReason, GATEWAY_CREDENTIAL, startCluster, TENANTS, type Broker, type Cluster, type GatewayProc } from '../helpers/cluster.ts';
@@ -174,6 +175,17 @@ describe.skipIf(skip !== undefined)('gateway security', () => {
   it("the gateway credential is not a tenant token at a gateway, and a tenant cannot name a principal there", async () => {
     expect((await upgrade(g1.url, { authorization: `Bearer ${GATEWAY_CREDENTIAL}`, [PRINCIPAL_HEADER]: 'alice' })).status).toBe(401);
     expect(await upgrade(g2.url, { authorization: `Bearer ${TENANTS.bob}`, [PRINCIPAL_HEADER]: 'alice' })).toEqual({ status: 101, principal: 'bob' });
+  });
+
+  it('a gateway refuses to start with a credential that is also a tenant token, or a short one', () => {
+    const log = createLogger({ name: 'gateway-test', level: 'error' });
+    const base = { port: 0, catalogUrl: cluster.redisUrl, log };
+    expect(() => new Gateway({ ...base, principals: new Principals({ ...TENANTS, eve: GATEWAY_CREDENTIAL }), credential: GATEWAY_CREDENTIAL })).toThrow(/tenant token/);
+    expect(() => new Gateway({ ...base, principals: new Principals(TENANTS), credential: 'short-credential-16' })).toThrow(/at least 32/);
+    // And a broker, the same (its load source is not reached before the check).
+    const member = (tokens: Record<string, string>, gatewayToken: string) => new ClusterMember({ catalogUrl: cluster.redisUrl, gatewayToken }, {} as never, new Principals(tokens), log);
+    expect(() => member({ ...TENANTS, eve: GATEWAY_CREDENTIAL }, GATEWAY_CREDENTIAL)).toThrow(/tenant token/);
+    expect(() => member(TENANTS, 'short-credential-16')).toThrow(/at least 32/);
   });
 
   it("a broker's /load is for gateways only", async () => {

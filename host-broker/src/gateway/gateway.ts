@@ -29,6 +29,7 @@ import { loopbackUrl, McpHttpEndpoint } from '../mcp/http.ts';
 import { E2bEndpoint } from '../e2b/endpoint.ts';
 import { listenMetrics } from '../metrics.ts';
 import { Catalog, sessionIdOf, type BrokerRecord, type SessionEntry } from '../catalog/catalog.ts';
+import { GatewayCredential } from './credential.ts';
 import { E2bProxy } from './e2b-proxy.ts';
 import { place } from './placement.ts';
 import { Upstream } from './upstream.ts';
@@ -94,6 +95,9 @@ export class Gateway {
   metricsPort = 0;
 
   constructor(private readonly o: GatewayOptions) {
+    new GatewayCredential(o.credential); // its length and shape, checked as the brokers check it
+    // A tenant holding the credential as its token could go round the gateway and act as anyone.
+    if (o.principals.authenticate(o.credential) !== undefined) throw new HutchError('bad_request', 'the gateway credential equals a tenant token; give it its own secret');
     this.catalog = new Catalog(o.catalogUrl, o.catalogPrefix);
     // MCP over HTTP on the gateway reaches the gateway's own WebSocket API, so its tool calls are routed like any harness's.
     this.mcp = new McpHttpEndpoint({ brokerUrl: () => loopbackUrl(o.host, this.port), log: o.log });
