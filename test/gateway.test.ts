@@ -12,6 +12,8 @@ import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { Hutch, HutchError, type TelemetryEvent } from '../host-broker/src/sdk/index.ts';
 import { Sandbox as E2bSandbox } from 'e2b';
+import { Client } from '@modelcontextprotocol/sdk/client/index.js';
+import { StreamableHTTPClientTransport } from '@modelcontextprotocol/sdk/client/streamableHttp.js';
 import { Catalog } from '../host-broker/src/catalog/catalog.ts';
 import { place } from '../host-broker/src/gateway/placement.ts';
 import { clusterSkipReason, GATEWAY_CREDENTIAL, startCluster, TENANTS, type Broker, type Cluster, type GatewayProc } from './helpers/cluster.ts';
@@ -136,6 +138,31 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
       expect(createHash('sha256').update(Buffer.concat(parts)).digest('hex')).toBe(digest);
       down.close();
     }
+  }, 60_000);
+
+  it('MCP over HTTP at a gateway: its tools reach sessions on any broker, as the caller', async () => {
+    const mcp = async (g: GatewayProc, token: string) => {
+      const client = new Client({ name: 'gateway-test', version: '1' });
+      await client.connect(new StreamableHTTPClientTransport(new URL(`${g.url.replace(/^ws/, 'http')}/mcp`), { requestInit: { headers: { authorization: `Bearer ${token}` } } }));
+      return client;
+    };
+    const alice = await mcp(g1, TENANTS.alice);
+    const made = (await alice.callTool({ name: 'create_sandbox', arguments: {} })) as { structuredContent?: { sandbox_id?: string } };
+    const id = made.structuredContent?.sandbox_id as string;
+    expect(placed.has(id)).toBe(false);
+    expect(['b1', 'b2', 'b3']).toContain(await brokerOf(id));
+    // A session made over the harness API, used over MCP at the other gateway.
+    const [sid] = [...placed.keys()] as [string];
+    const alice2 = await mcp(g2, TENANTS.alice);
+    const read = (await alice2.callTool({ name: 'run_command', arguments: { sandbox_id: sid, command: 'cat who.txt' } })) as { content: Array<{ text: string }> };
+    expect(read.content.map((c) => c.text).join('')).toMatch(/session \d+/);
+    const bob = await mcp(g2, TENANTS.bob);
+    const denied = (await bob.callTool({ name: 'run_command', arguments: { sandbox_id: sid, command: 'cat who.txt' } })) as { isError?: boolean; content: Array<{ text: string }> };
+    expect(denied.isError).toBe(true);
+    expect(denied.content.map((c) => c.text).join('')).toContain('not_found');
+    await alice.callTool({ name: 'close_sandbox', arguments: { sandbox_id: id } });
+    expect(await cluster.catalog.command('EXISTS', `hutch:session:${id}`)).toBe(0);
+    for (const c of [alice, alice2, bob]) await c.close();
   }, 60_000);
 
   it('two gateways creating one id at the same moment place it once (SET NX in the catalog)', async () => {
