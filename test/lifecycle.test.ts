@@ -73,6 +73,18 @@ describe('sandbox lifecycle with real VMs', { tags: ['vm'] }, () => {
     await sb.close();
   }, 600_000);
 
+  it('tool_call_pending starts the wake before the call: the call finds the VM live, the workspace pushed, a later host edit too', async () => {
+    const sb = await hutch.create({ workspace: { files: { 'p.txt': 'before\n' } } });
+    expect((await hutch.sessions()).find((x) => x.session === sb.id)?.live).toBe(false);
+    await sb.hint('tool_call_pending');
+    await waitFor(async () => (await hutch.sessions()).find((x) => x.session === sb.id)?.live === true);
+    await sb.files.write('p.txt', 'after the wake\n');
+    const r = await sb.run('cat p.txt', { route: 'vm' });
+    expect(r.woke).toBe(false);
+    expect(r.stdout).toBe('after the wake\n');
+    await sb.close();
+  }, 600_000);
+
   it('SIGKILL of QEMU during a call: that call fails clearly, the workspace is intact, the next call works', async () => {
     const sb = await hutch.create({ workspace: { files: { 'keep.txt': 'precious\n' } } });
     await sb.run('echo warm > warm.txt', { route: 'vm' });

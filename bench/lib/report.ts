@@ -1,3 +1,6 @@
+import { mkdirSync, writeFileSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
 /**
  * Shared output conventions of every bench: a Markdown table for people, and with --json
  * one JSON object as the very last line for machines.
@@ -37,10 +40,19 @@ export function markdownTable(rows: Array<Record<string, string | number | boole
 
 /**
  * Prints the table, then the raw samples, then (always the last line) the summary JSON,
- * ratios and medians first. Raw samples also go to bench/results/<name>.raw.json.
+ * ratios and medians first. writeResults keeps a run in bench/results.
  */
 export function emit(title: string, table: string, summary: Record<string, unknown>, raw?: unknown): void {
   process.stdout.write(`## ${title}\n\n${table}\n\n`);
   if (raw !== undefined) process.stdout.write(`raw: ${JSON.stringify(raw)}\n`);
   process.stdout.write(JSON.stringify(summary) + '\n');
+}
+
+/** Keeps a run in bench/results: <name>.md (the table), <name>.json (the summary), <name>.raw.json (the samples). */
+export function writeResults(name: string, title: string, table: string, summary: Record<string, unknown>, raw: unknown): void {
+  const dir = join(dirname(fileURLToPath(import.meta.url)), '..', 'results');
+  mkdirSync(dir, { recursive: true });
+  writeFileSync(join(dir, `${name}.md`), `## ${title}\n\n${table}\n`);
+  writeFileSync(join(dir, `${name}.json`), JSON.stringify({ at: new Date().toISOString(), ...summary }, null, 2) + '\n');
+  writeFileSync(join(dir, `${name}.raw.json`), JSON.stringify(raw) + '\n');
 }

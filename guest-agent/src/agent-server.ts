@@ -7,7 +7,7 @@ import { ExecService, type ExecConfig } from './process/exec-handler.ts';
 import { Workspace } from './workspace/confine.ts';
 import { FileTools } from './workspace/file-tools.ts';
 import { WorkspaceSync } from './workspace/sync.ts';
-import { resumeAfterRestore } from './resume.ts';
+import { resumeAfterRestore, startResumeHelper } from './resume.ts';
 import { guestState } from './guest-state.ts';
 import { memoryHandlers } from './memory/handlers.ts';
 import { telemetryHandlers } from './telemetry/handlers.ts';
@@ -45,6 +45,8 @@ export class Agent {
     this.files = new FileTools(this.ws, opts.owner ? { owner: opts.owner } : {});
     this.sync = new WorkspaceSync(this.ws, { owner: opts.owner });
     this.execs = new ExecService(this.ws, { ...opts.exec, ...(opts.workloadCgroup ? { cgroup: opts.workloadCgroup } : {}) });
+    // Started now, so the pristine snapshot holds it waiting: a resume then forks nothing.
+    if (opts.ownsMachine) startResumeHelper(opts.log);
   }
 
   handlers(): Handlers {
@@ -65,11 +67,15 @@ export class Agent {
       'fs.remove': (p) => f.remove(p),
       'fs.move': (p) => f.move(p),
       'sync.apply': (p, ctx) =>
-        this.sync.apply(p.changes, (c) => {
-          if (c.data) return c.data;
-          if (c.stream !== undefined) return ctx.inbound(c.stream);
-          return new Uint8Array(0);
-        }),
+        this.sync.apply(
+          p.changes,
+          (c) => {
+            if (c.data) return c.data;
+            if (c.stream !== undefined) return ctx.inbound(c.stream);
+            return new Uint8Array(0);
+          },
+          { fresh: p.fresh ?? false, mark: p.mark ?? false },
+        ),
       'sync.mark': () => this.sync.mark(),
       'sync.changes': async (p, ctx) => {
         // The change set goes on the stream in records, with the stream's flow control.

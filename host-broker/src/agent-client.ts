@@ -100,7 +100,8 @@ export class AgentClient {
       bytes += streams * STREAMED_FILE_ALLOWANCE;
     }
     if (method === 'sync.read') bytes += STREAMED_FILE_ALLOWANCE;
-    const scans = method === 'sync.mark' || method === 'sync.changes' || method === 'agent.state';
+    // A sync.apply that marks may scan /work after applying.
+    const scans = method === 'sync.mark' || method === 'sync.changes' || method === 'agent.state' || (method === 'sync.apply' && (params as { mark?: boolean }).mark === true);
     return deadlineFor(method, { bytes, ...(scans ? { entries: this.workspaceEntries } : {}) }, policy);
   }
 
@@ -190,7 +191,10 @@ export class AgentClient {
   }
 
   /** Applies a sync batch; large file contents go as streams, small ones inline. */
-  async syncApply(changes: Array<SyncChange | (Omit<Extract<SyncChange, { op: 'write' }>, 'data' | 'stream'> & { source: AsyncIterable<Uint8Array> })>): Promise<ResultOf<'sync.apply'>> {
+  async syncApply(
+    changes: Array<SyncChange | (Omit<Extract<SyncChange, { op: 'write' }>, 'data' | 'stream'> & { source: AsyncIterable<Uint8Array> })>,
+    opts: { fresh?: boolean; mark?: boolean } = {},
+  ): Promise<ResultOf<'sync.apply'>> {
     const conn = this.connection;
     const wire: SyncChange[] = [];
     const feeds: Array<() => Promise<void>> = [];
@@ -208,7 +212,7 @@ export class AgentClient {
       } else wire.push(c);
     }
     if (streams.length > 16) throw new HutchError('bad_request', 'at most 16 streamed files per sync.apply batch');
-    const res = conn.request('sync.apply', { changes: wire }, { streams });
+    const res = conn.request('sync.apply', { changes: wire, ...opts }, { streams });
     // Streams are fed in order because the agent applies changes in order.
     const fed = (async () => {
       for (const f of feeds) await f();

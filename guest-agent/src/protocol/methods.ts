@@ -170,10 +170,23 @@ export const SyncChangeSchema = z.discriminatedUnion('op', [
 ]);
 export type SyncChange = z.infer<typeof SyncChangeSchema>;
 /** The sender bounds a batch by bytes (well under the frame limit); the count cap is a backstop. */
-export const SyncApplyParamsSchema = z.object({ changes: z.array(SyncChangeSchema).max(100_000) });
+export const SyncApplyParamsSchema = z.object({
+  changes: z.array(SyncChangeSchema).max(100_000),
+  /**
+   * The broker fills a /work it never pushed to since a pristine restore: the agent records
+   * what it applies (when /work was empty at the first such batch), so `mark` needs no scan.
+   */
+  fresh: z.boolean().optional(),
+  /** After applying, take a sync marker (as sync.mark) and return it: one round trip less. */
+  mark: z.boolean().optional(),
+});
 export const SyncApplyResultSchema = z.object({
   applied: z.number().int(),
   failed: z.array(z.object({ index: z.number().int(), path: bytes, code: ErrorCodeSchema, message: z.string() })),
+  marker: z.string().optional(),
+  entries: z.number().int().optional(),
+  /** How the marker was taken: from what this push recorded, or by scanning /work. */
+  markedBy: z.enum(['recorded', 'scan']).optional(),
 });
 
 export const SyncMarkParamsSchema = z.object({});

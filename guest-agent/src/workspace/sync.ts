@@ -1,9 +1,9 @@
-import { constants, fchmodSync, fchownSync, lchownSync, lstatSync, symlinkSync, type BigIntStats, type promises as fsp } from 'node:fs';
+import { constants, fchmodSync, fchownSync, lchownSync, lstatSync, readdirSync, symlinkSync, type BigIntStats, type promises as fsp } from 'node:fs';
 import { randomBytes } from 'node:crypto';
 import { HutchError, toHutchError } from '../protocol/errors.ts';
 import { encodeFrame } from '../protocol/frame-codec.ts';
 import { SYNC_RECORD_MAX_BYTES, type ResultOf, type SyncChange, type SyncChangesBatch, type SyncEntry } from '../protocol/methods.ts';
-import { writeFileAtomic } from './atomic-write.ts';
+import { isAtomicTempName, writeFileAtomic, writeFileAtomicSyncAt } from './atomic-write.ts';
 import type { Workspace } from './confine.ts';
 import { nameFromBytes, nameToBytes } from './names.ts';
 import { at, closeQuietly, lstatAt, mkdirAt, openDirAt, openFileAt, readlinkAt, removeTreeAt, renameAt, unlinkAt } from './fd-path.ts';
@@ -50,6 +50,8 @@ export interface ChangesOptions {
   maxFileBytes?: number | undefined;
 }
 
+/** Entries applied between two turns of the event loop. */
+const APPLY_YIELD_EVERY = 64;
 /** Inline data per record; with one more entry at most, records stay far below SYNC_RECORD_MAX_BYTES. */
 const BATCH_TARGET_BYTES = 256 * 1024;
 /** A single inline file never exceeds this, whatever the broker asks. */
@@ -60,6 +62,8 @@ const ENTRY_OVERHEAD_BYTES = 96;
 export class WorkspaceSync {
   private readonly markers = new Map<string, Manifest>();
   private readonly rootBytes: Buffer;
+  /** What a fresh push applied so far (see apply); null once it cannot be trusted. */
+  private recording: Manifest | null | undefined;
 
   constructor(
     readonly ws: Workspace,
@@ -68,31 +72,76 @@ export class WorkspaceSync {
     this.rootBytes = Buffer.from(ws.root);
   }
 
-  /** Applies a batch in order; a failed entry is reported and the rest still applied. */
-  async apply(changes: SyncChange[], content: ContentSource): Promise<ResultOf<'sync.apply'>> {
+  /**
+   * Applies a batch in order; a failed entry is reported and the rest still applied.
+   * `fresh`: the broker is filling a /work it never pushed to since a pristine restore.
+   * If /work is indeed empty at the first such batch, what is applied is recorded as it
+   * lands (an lstat per entry), and `mark` then remembers that record instead of scanning
+   * the tree (a scan is the slowest step of a wake under TCG). Anything that makes the
+   * record doubtful (a failed entry, a delete, a name a scan would skip) drops it and
+   * `mark` scans as before.
+   */
+  async apply(changes: SyncChange[], content: ContentSource, opts: { fresh?: boolean; mark?: boolean } = {}): Promise<ResultOf<'sync.apply'>> {
     let applied = 0;
     const failed: ResultOf<'sync.apply'>['failed'] = [];
     const rootFd = openSyncRoot(this.ws.root);
     const parents = new SyncParentCache(rootFd);
+    if (!opts.fresh) this.recording = undefined;
+    else if (!this.recording) this.recording = readdirSync(at(rootFd)).length === 0 ? new Map() : null;
     try {
       for (const [index, c] of changes.entries()) {
+        // Small writes are synchronous: let the connection's other traffic (heartbeats) through now and then.
+        if (index > 0 && index % APPLY_YIELD_EVERY === 0) await new Promise((r) => setImmediate(r));
         try {
           await this.applyOne(parents, c, content);
           applied++;
+          if (this.recording) this.record(parents, c);
         } catch (err) {
           const e = toHutchError(err, { path: nameFromBytes(c.path) });
           failed.push({ index, path: c.path, code: e.code, message: e.message });
+          if (this.recording) this.recording = null;
         }
       }
     } finally {
       parents.close();
       closeQuietly(rootFd);
     }
-    return { applied, failed };
+    if (!opts.mark) return { applied, failed };
+    const recorded = this.recording;
+    this.recording = undefined;
+    if (recorded) return { applied, failed, marker: this.remember(recorded), entries: recorded.size, markedBy: 'recorded' };
+    return { applied, failed, ...(await this.mark()), markedBy: 'scan' };
+  }
+
+  /** Records an applied entry as scan() would see it; one it would not see as pushed drops the record. */
+  private record(parents: SyncParentCache, c: SyncChange): void {
+    const m = this.recording as Manifest;
+    const parts = splitSyncPath(c.path);
+    if (c.op === 'delete' || c.op === 'chmod' || parts.some((p) => isAtomicTempName(nameFromBytes(p)))) {
+      this.recording = null;
+      return;
+    }
+    const dir = parents.get(parts);
+    const st = dir === undefined ? undefined : lstatSync(at(dir, parts[parts.length - 1] as Buffer), { bigint: true, throwIfNoEntry: false });
+    const kind = st?.isFile() ? 'file' : st?.isDirectory() ? 'dir' : st?.isSymbolicLink() ? 'symlink' : undefined;
+    if (!st || kind !== (c.op === 'write' ? 'file' : c.op === 'mkdir' ? 'dir' : 'symlink')) {
+      this.recording = null;
+      return;
+    }
+    const e: ManifestEntry = { kind, size: Number(st.size), mtimeNs: st.mtimeNs, ino: st.ino, mode: Number(st.mode & 0o7777n) };
+    if (kind === 'symlink') {
+      if (c.op !== 'symlink' || c.target.length === 0) {
+        this.recording = null;
+        return;
+      }
+      e.target = Buffer.from(c.target);
+    }
+    m.set(nameFromBytes(c.path), e);
   }
 
   /** Records the current state; `changes(marker)` later reports what differs from it. */
   async mark(): Promise<{ marker: string; entries: number }> {
+    this.recording = undefined;
     const m = await this.scan();
     return { marker: this.remember(m), entries: m.size };
   }
@@ -106,6 +155,7 @@ export class WorkspaceSync {
   async changes(since: string, opts: ChangesOptions, sink: RecordSink): Promise<ResultOf<'sync.changes'>> {
     const before = this.markers.get(since);
     if (!before) throw new HutchError('not_found', `unknown sync marker ${since}`, { marker: since });
+    this.recording = undefined;
     // A scan of a big tree takes a while (minutes under TCG): empty records on the stream
     // meanwhile tell the broker the guest is working, not stuck.
     const keepalive = keepaliveFor(sink);
@@ -283,10 +333,14 @@ export class WorkspaceSync {
     }
     {
       switch (c.op) {
-        case 'write':
+        case 'write': {
           await clearForReplace(dir, name, 'file');
-          await writeFileAtomic({ dirFd: dir, name }, content(c), { mode: c.mode, owner, mtimeMs: c.mtimeMs, durable: this.opts.durable ?? false });
+          const data = content(c);
+          const opts = { mode: c.mode, owner, mtimeMs: c.mtimeMs, durable: this.opts.durable ?? false };
+          if (data instanceof Uint8Array) writeFileAtomicSyncAt({ dirFd: dir, name }, data, opts);
+          else await writeFileAtomic({ dirFd: dir, name }, data, opts);
           return;
+        }
         case 'mkdir': {
           if (!lstatAt(dir, name)?.isDirectory()) {
             await clearForReplace(dir, name, 'dir');

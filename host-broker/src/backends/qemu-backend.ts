@@ -128,12 +128,14 @@ export class QemuBackend implements VmBackend {
       const mirror = new WorkspaceMirror(hostWs, new WorkspaceSync(hostWs), { stateDir: spec.stateDir });
       // From a slot the guest already holds the workspace as it was: push only the difference.
       if (from) mirror.guestView = manifestFromJson(readFileSync(from.manifest, 'utf8'));
-      const pushed = await mirror.push(agent);
+      // The marker rides on the push's last batch; after a pristine restore the agent records
+      // what it applies into its empty /work rather than scanning it afterwards.
+      const pushed = await mirror.push(agent, undefined, { fresh: !from, mark: true });
       phase('push');
       const first = resumed ? await resumed : undefined;
       if (first?.workError) this.opts.log.error('vm.work_size_failed', { session: spec.session, error: first.workError });
       const clock = first ? await settleClock(agent, first, spec.session, this.opts.log) : undefined;
-      const mark = await agent.call('sync.mark', {});
+      const mark = pushed.marker ?? (await agent.call('sync.mark', {}));
       phase('mark');
       agent.workspaceEntries = mark.entries;
       const sandbox = new QemuSandbox(spec, vm, agent, mirror, mark.marker, this.opts.maxFileBytes ?? 256 * 1024 * 1024, pristine.meta.key, this.opts.log, () => this.sandboxes.delete(sandbox));
@@ -143,7 +145,7 @@ export class QemuBackend implements VmBackend {
       sandbox.activate().catch((err: unknown) => this.opts.log.warn('vm.memory_policy_failed', { session: spec.session, error: (err as Error).message }));
       const wakeMs = performance.now() - t0;
       const how = from ? 'slot-restore' : opts.coldBoot ? 'cold-boot' : 'pristine-restore';
-      this.opts.log.info('vm.woke', { session: spec.session, how, wakeMs: Math.round(wakeMs), phases, pushedFiles: pushed.files, pushedBytes: pushed.bytes, ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
+      this.opts.log.info('vm.woke', { session: spec.session, how, wakeMs: Math.round(wakeMs), phases, pushedFiles: pushed.files, pushedBytes: pushed.bytes, markedBy: pushed.marker?.markedBy ?? 'sync.mark', ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
       return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs, phases, ...(clock ? { clockErrorMs: clock.errorMs } : {}) } };
     } catch (err) {
       agent?.close();
@@ -250,10 +252,10 @@ class QemuSandbox implements Sandbox {
   async synced<T>(fn: (agent: AgentClient) => Promise<T>, hostChanges: HostChanges): Promise<Synced<T>> {
     let pushedBytes = 0;
     if (hostChanges.kind !== 'none') {
-      const pushed = await this.guard(() => this.mirror.push(this.agent, hostChanges.kind === 'paths' ? hostChanges.paths : undefined));
+      const pushed = await this.guard(() => this.mirror.push(this.agent, hostChanges.kind === 'paths' ? hostChanges.paths : undefined, { mark: true }));
       pushedBytes = pushed.bytes;
       // What we just pushed must not come back as a guest change.
-      const mark = await this.guard(() => this.agent.call('sync.mark', {}));
+      const mark = pushed.marker ?? (await this.guard(() => this.agent.call('sync.mark', {})));
       this.marker = mark.marker;
       this.agent.workspaceEntries = mark.entries;
     }

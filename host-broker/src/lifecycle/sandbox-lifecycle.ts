@@ -205,6 +205,10 @@ export class SandboxLifecycle {
     let releaseMem: (() => void) | undefined;
     try {
       releaseMem = await this.admission.reserveMemory(this.spec.memoryMiB, this.spec.session);
+      // The wake's push scans the host workspace as it is from here on: host changes seen
+      // until now are in it, and any seen later are the next call's to push (taking them
+      // after the push would drop a change that landed while it ran).
+      this.hostChanges.take();
       const started = await this.startFromBestSlot();
       this.sandbox = started.sandbox;
       this.releaseMemory = releaseMem;
@@ -215,8 +219,6 @@ export class SandboxLifecycle {
         this.log.warn('vm.exited', { reason: why?.message });
         void this.lock.run(() => this.drop('exited on its own'));
       });
-      // The tracker's changes are covered by the full diff a wake pushes.
-      this.hostChanges.take();
       return { ...started.wake, wakeMs: performance.now() - t0 };
     } catch (err) {
       releaseMem?.();

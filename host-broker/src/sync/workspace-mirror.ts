@@ -31,6 +31,15 @@ export interface PushStats {
   bytes: number;
   removed: number;
   ms: number;
+  /** With `mark`: the sync marker taken right after the push (undefined from an agent that predates it). */
+  marker?: { marker: string; entries: number; markedBy?: 'recorded' | 'scan' | undefined } | undefined;
+}
+
+export interface PushOptions {
+  /** The guest's /work was empty when this mirror was made (a pristine restore): it may record the push instead of scanning. */
+  fresh?: boolean;
+  /** Take the sync marker in the push's last round trip. */
+  mark?: boolean;
 }
 
 export interface PullStats {
@@ -95,7 +104,7 @@ export class WorkspaceMirror {
   }
 
   /** Makes the guest's workspace equal to the host's, sending only what differs from `guestView`. */
-  async push(agent: AgentClient, only?: Iterable<string>): Promise<PushStats> {
+  async push(agent: AgentClient, only?: Iterable<string>, opts: PushOptions = {}): Promise<PushStats> {
     const t0 = performance.now();
     const before: Manifest = this.guestView ?? new Map();
     const onlyList = only ? [...only] : undefined;
@@ -116,12 +125,12 @@ export class WorkspaceMirror {
       ...remove.map((rel): PushItem => ({ rel, remove: true })),
       ...write.map((rel): PushItem => ({ rel, entry: host.get(rel) as ManifestEntry })),
     ];
-    const { files, bytes, sent } = await this.send(agent, items);
+    const { files, bytes, sent, marker } = await this.send(agent, items, opts);
     const view: Manifest = this.guestView ?? new Map();
     removeWithChildren(view, new Set(remove));
     for (const p of sent) view.set(p, host.get(p) as ManifestEntry);
     this.guestView = view;
-    return { files, bytes, removed: remove.length, ms: performance.now() - t0 };
+    return { files, bytes, removed: remove.length, ms: performance.now() - t0, marker };
   }
 
   /**
@@ -257,7 +266,8 @@ export class WorkspaceMirror {
   }
 
   /** Sends a push plan in batches bounded by bytes and streams; contents are read only as their batch fills. */
-  private async send(agent: AgentClient, items: PushItem[]): Promise<{ files: number; bytes: number; sent: string[] }> {
+  private async send(agent: AgentClient, items: PushItem[], opts: PushOptions): Promise<{ files: number; bytes: number; sent: string[]; marker: PushStats['marker'] }> {
+    let marker: PushStats['marker'];
     let files = 0;
     let bytes = 0;
     const sent: string[] = [];
@@ -265,9 +275,10 @@ export class WorkspaceMirror {
     let batchPaths: string[] = [];
     let batchBytes = 0;
     let streams = 0;
-    const flush = async () => {
-      if (batch.length === 0) return;
-      const r = await agent.syncApply(batch);
+    const flush = async (last = false) => {
+      if (batch.length === 0 && !(last && opts.mark)) return;
+      const r = await agent.syncApply(batch, { ...(opts.fresh ? { fresh: true } : {}), ...(last && opts.mark ? { mark: true } : {}) });
+      if (r.marker !== undefined) marker = { marker: r.marker, entries: r.entries ?? 0, markedBy: r.markedBy };
       if (r.failed.length) {
         const f = r.failed[0] as { path: Uint8Array; code: string; message: string };
         throw new HutchError('internal', `workspace push failed for ${r.failed.length} entries, first ${nameFromBytes(f.path)}: ${f.code} ${f.message}`, { failed: r.failed.length });
@@ -295,8 +306,8 @@ export class WorkspaceMirror {
       batchPaths.push(item.rel);
       batchBytes += cost;
     }
-    await flush();
-    return { files, bytes, sent };
+    await flush(true);
+    return { files, bytes, sent, marker };
   }
 
   private async describe(rel: string, path: Buffer, e: ManifestEntry): Promise<Change | undefined> {
