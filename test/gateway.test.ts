@@ -337,3 +337,35 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
     h.close();
   }, 120_000);
 });
+
+describe.skipIf(skip !== undefined)('a drained qemu broker behind a gateway', { tags: ['vm'] }, () => {
+  const vmWork = mkdtempSync(join(tmpdir(), 'hutch-gateway-vm-'));
+  let c: Cluster;
+  afterAll(async () => {
+    await c?.stopAll();
+    rmSync(vmWork, { recursive: true, force: true });
+  }, 120_000);
+
+  it('releases its VM into its snapshot slot: after a restart the session resumes from it', async () => {
+    c = await startCluster(vmWork);
+    // Never released while idle: the drain is the only release this VM sees.
+    const vmArgs = { backend: 'qemu' as const, args: ['--idle-ms', '0'], leaseMs: 60_000 };
+    let broker = await c.startBroker('vm1', vmArgs);
+    const gw = await c.startGateway();
+    const h = await Hutch.connect(gw.url, { token: TENANTS.alice });
+    const sb = await h.create({ workspace: { files: { 'a.txt': 'in the workspace\n' } } });
+    // A change outside /work and /tmp: the release policy keeps such a guest in a snapshot slot (a clean one is just stopped).
+    const first = await sb.run('echo kept-in-the-slot > ~/marker; cat a.txt', { route: 'vm' });
+    expect(first.stdout).toBe('in the workspace\n');
+    expect(first.route).toBe('vm');
+    broker.p.kill('SIGTERM');
+    expect(await broker.exited).toBe(0);
+    expect(await c.catalog.command('EXISTS', 'hutch:broker:vm1')).toBe(0);
+    broker = await c.startBroker('vm1', { ...vmArgs, dataDir: broker.dataDir });
+    // The home directory is guest state, not workspace: only a restore from the session's own slot has the marker.
+    const again = await (await h.attach(sb.id)).run('cat ~/marker; cat a.txt', { route: 'vm' });
+    expect(again.woke).toBe(true);
+    expect(again.stdout).toBe('kept-in-the-slot\nin the workspace\n');
+    h.close();
+  }, 1_200_000);
+});

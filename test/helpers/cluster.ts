@@ -90,7 +90,7 @@ export interface Cluster {
   catalog: RespClient;
   tokensFile: string;
   credentialFile: string;
-  startBroker(id: string, o?: { leaseMs?: number; templates?: string[]; dataDir?: string }): Promise<Broker>;
+  startBroker(id: string, o?: { leaseMs?: number; templates?: string[]; dataDir?: string; backend?: 'unsafe-local' | 'qemu'; args?: string[] }): Promise<Broker>;
   startGateway(o?: { sample?: number; maxConnections?: number }): Promise<GatewayProc>;
   stopAll(): Promise<void>;
 }
@@ -134,7 +134,8 @@ export async function startCluster(work: string): Promise<Cluster> {
     credentialFile,
     async startBroker(id, o = {}) {
       const dataDir = o.dataDir ?? join(work, `data-${id}`);
-      const args = ['--import', 'tsx', cli, 'serve', '--port', '0', '--tokens-file', tokensFile, '--data-dir', dataDir, '--backend', 'unsafe-local', '--i-know-unsafe-local'];
+      const backend = o.backend === 'qemu' ? ['--backend', 'qemu'] : ['--backend', 'unsafe-local', '--i-know-unsafe-local'];
+      const args = ['--import', 'tsx', cli, 'serve', '--port', '0', '--tokens-file', tokensFile, '--data-dir', dataDir, ...backend, ...(o.args ?? [])];
       args.push('--catalog', redisUrl, '--broker-id', id, '--gateway-token-file', credentialFile, '--lease-ms', String(o.leaseMs ?? 1500), '--drain-ms', '20000');
       for (const t of o.templates ?? []) args.push('--advertise-template', t);
       args.push('--ready-json', '--log-level', 'warn');
