@@ -13,21 +13,10 @@ import { makeReproducibleExt4 } from '../rootfs/ext4.ts';
 import { DIRTY_CHECK, gatherFacts, sh, timeTwice, type GuestFacts } from '../rootfs/guest-facts.ts';
 import { ensureRootfs, type RootfsImage } from '../rootfs/image.ts';
 import { ensureAgentLayer } from '../rootfs/agent-layer.ts';
+import { missingRootTools } from './helpers/prerequisites.ts';
 import { bootRootfs, findGuestKernel, type BootedVm, type GuestKernel } from '../rootfs/qemu-boot.ts';
 
-function missingPrerequisite(): string | undefined {
-  if (process.getuid?.() !== 0) return 'building the rootfs needs root (debootstrap, chroot)';
-  for (const tool of ['qemu-system-x86_64', 'debootstrap', 'mke2fs', 'setpriv']) {
-    try {
-      execFileSync('sh', ['-c', `command -v ${tool}`], { stdio: 'ignore' });
-    } catch {
-      return `${tool} is not installed`;
-    }
-  }
-  return undefined;
-}
-
-const missing = missingPrerequisite();
+const missing = missingRootTools(['qemu-system-x86_64', 'debootstrap', 'mke2fs', 'setpriv'], 'building the rootfs needs root (debootstrap, chroot)');
 if (missing) console.warn(`SKIPPING test/rootfs.test.ts: ${missing}`);
 
 describe.skipIf(missing !== undefined)('guest rootfs booted under QEMU (TCG)', { tags: ['vm'] }, () => {

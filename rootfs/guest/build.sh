@@ -82,7 +82,11 @@ while read -r kind offset bytes comp wh; do
       esac
     done < /run/entries
   fi
-  layer_bytes "$offset" "$bytes" | tar -x${z}f - -C "$T" || fail "layer $n could not be unpacked"
+  layer_bytes "$offset" "$bytes" | tar -x${z}f - -C "$T" 2> /run/tar.err || {
+    # tar's own words reach the host (the first few), then the verdict.
+    head -n 5 /run/tar.err | while IFS= read -r l; do say "tar: $l"; done
+    fail "layer $n could not be unpacked: $(head -n 1 /run/tar.err)"
+  }
   [ "$wh" = oci ] && find "$T" -xdev -name '.wh.*' -exec rm -rf {} +
 done < "$S/spec"
 [ "$n" -gt 0 ] || fail "the build spec names no layer"

@@ -13,7 +13,7 @@
  *    points at it. Same inputs, same id: nothing is rebuilt (unless --force).
  */
 import { randomBytes } from 'node:crypto';
-import { createReadStream, createWriteStream, mkdirSync, renameSync, rmSync, statSync, writeFileSync, chmodSync, truncateSync, existsSync } from 'node:fs';
+import { createReadStream, createWriteStream, mkdirSync, readdirSync, renameSync, rmSync, statSync, writeFileSync, chmodSync, truncateSync, existsSync } from 'node:fs';
 import { join } from 'node:path';
 import { tmpdir } from 'node:os';
 import { pipeline } from 'node:stream/promises';
@@ -262,6 +262,19 @@ export async function buildTemplate(o: TemplateBuildOptions): Promise<TemplateBu
   }
 }
 
+/**
+ * Every agent-layer change gives a template a new pristine snapshot (~120 MiB on disk): keep
+ * the current one and the newest other (a broker still running the previous agent restores
+ * from it); older ones, whose slots no current broker would restore anyway, go.
+ */
+function pruneSnapshots(root: string, current: string): void {
+  const others = readdirSync(root, { withFileTypes: true })
+    .filter((e) => e.isDirectory() && /^[0-9a-f]{24}$/.test(e.name) && e.name !== current)
+    .map((e) => ({ name: e.name, mtime: statSync(join(root, e.name)).mtimeMs }))
+    .sort((a, b) => b.mtime - a.mtime);
+  for (const o of others.slice(1)) rmSync(join(root, o.name), { recursive: true, force: true });
+}
+
 /** The template's pristine snapshot for this kernel + agent layer + size (cached in its dir). */
 async function pristineFor(
   dir: string,
@@ -276,6 +289,7 @@ async function pristineFor(
   const already = existsSync(join(dir, 'snapshots', snapshots.key(image, size), 'meta.json'));
   if (!already) log(`${root.name}: taking the pristine snapshot (${size.memoryMiB} MiB, ${size.cpus} vCPU)`);
   const p = await snapshots.pristine(image, size);
+  pruneSnapshots(join(dir, 'snapshots'), p.meta.key);
   const bytes = TemplateStore.allocatedBytes(p.dir);
   return { key: p.meta.key, bytes, bootMs: p.meta.bootMs };
 }
