@@ -255,6 +255,32 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
     expect(await cluster.catalog.command('EXISTS', `hutch:session:${sbx.sandboxId}`)).toBe(0);
   }, 60_000);
 
+  it('the catalog loses its data: routed calls go on, and the brokers put their sessions back', async () => {
+    const h = await Hutch.connect(g1.url, { token: TENANTS.alice });
+    const ids = [...placed.keys()];
+    for (const id of ids) await (await h.attach(id)).files.read('who.txt'); // g1 has seen every placement
+    cluster.redis.kill('SIGKILL');
+    await cluster.redis.exited;
+    // Redis gone: placements seen before still route, to brokers still checking ownership.
+    for (const id of ids.slice(0, 5)) expect((await (await h.attach(id)).files.read('who.txt')).content).toMatch(/session \d+/);
+    expect((await failure(h.create())).code).toBe('unavailable');
+    // An empty Redis: each broker finds its record gone at its next renewal and republishes its sessions.
+    await cluster.restartRedis();
+    await until('every placement to be back in the catalog', async () => {
+      for (const [id, broker] of placed) {
+        const v = await cluster.catalog.command('GET', `hutch:session:${id}`);
+        if (typeof v !== 'string' || (JSON.parse(v) as { broker: string; principal: string }).broker !== broker) return false;
+      }
+      return true;
+    }, 60_000); // b3 renews its 60 s lease every 20 s
+    expect(JSON.parse(String(await cluster.catalog.command('GET', `hutch:session:${ids[0]}`)))).toEqual({ broker: placed.get(ids[0] as string), principal: 'alice' });
+    const fresh = await Hutch.connect(g2.url, { token: TENANTS.bob });
+    expect((await failure(fresh.attach(ids[0] as string))).code).toBe('not_found');
+    fresh.close();
+    expect(placed.get((await h.create()).id) ?? 'new').toBe('new');
+    h.close();
+  }, 120_000);
+
   it('a gateway SIGKILLed mid-run loses no session: the client reconnects to the other one', async () => {
     const h = await Hutch.connect(g1.url, { token: TENANTS.alice });
     const ids = [...placed.keys()].slice(0, 10);

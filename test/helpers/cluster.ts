@@ -92,6 +92,8 @@ export interface Cluster {
   credentialFile: string;
   startBroker(id: string, o?: { leaseMs?: number; templates?: string[]; dataDir?: string; backend?: 'unsafe-local' | 'qemu'; args?: string[] }): Promise<Broker>;
   startGateway(o?: { sample?: number; maxConnections?: number }): Promise<GatewayProc>;
+  /** SIGKILLs redis-server (its data is not persisted) and starts an empty one on the same port. */
+  restartRedis(): Promise<void>;
   stopAll(): Promise<void>;
 }
 
@@ -112,20 +114,24 @@ export async function startCluster(work: string): Promise<Cluster> {
   const credentialFile = join(work, 'gateway-credential');
   writeFileSync(credentialFile, `${GATEWAY_CREDENTIAL}\n`, { mode: 0o600 });
   const port = await freePort();
-  const redis = start('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--dir', work]);
+  const startRedis = () => start('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--dir', work]);
+  let redis = startRedis();
   const redisUrl = `redis://127.0.0.1:${port}`;
   const catalog = new RespClient({ host: '127.0.0.1', port });
-  for (let i = 0; ; i++) {
-    try {
-      if ((await catalog.command('PING')) === 'PONG') break;
-    } catch (err) {
-      if (i > 100) throw new Error(`redis-server did not come up: ${(err as Error).message} ${redis.output()}`);
-      await new Promise((r) => setTimeout(r, 50));
+  const redisUp = async () => {
+    for (let i = 0; ; i++) {
+      try {
+        if ((await catalog.command('PING')) === 'PONG') return;
+      } catch (err) {
+        if (i > 100) throw new Error(`redis-server did not come up: ${(err as Error).message} ${redis.output()}`);
+        await new Promise((r) => setTimeout(r, 50));
+      }
     }
-  }
+  };
+  await redisUp();
   const procs: Proc[] = [redis];
   const cli = 'host-broker/src/cli.ts';
-  return {
+  const self: Cluster = {
     work,
     redisUrl,
     redis,
@@ -154,6 +160,14 @@ export async function startCluster(work: string): Promise<Cluster> {
       const ready = await firstJsonLine(p, 'gateway');
       return Object.assign(p, { url: String(ready['url']) });
     },
+    async restartRedis() {
+      redis.kill('SIGKILL');
+      await redis.exited;
+      redis = startRedis();
+      procs.push(redis);
+      self.redis = redis;
+      await redisUp();
+    },
     async stopAll() {
       catalog.close();
       for (const p of procs.reverse()) {
@@ -165,4 +179,5 @@ export async function startCluster(work: string): Promise<Cluster> {
       }
     },
   };
+  return self;
 }

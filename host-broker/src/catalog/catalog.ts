@@ -74,11 +74,15 @@ export class Catalog {
     return `${this.prefix}session:${sid}`;
   }
 
-  /** Writes (or renews) a broker's record with a TTL of `leaseMs`. */
-  async putBroker(rec: BrokerRecord, leaseMs: number): Promise<void> {
-    await this.redis.command('SET', this.brokerKey(rec.id), JSON.stringify(rec), 'PX', Math.max(1, Math.round(leaseMs)));
+  /**
+   * Writes (or renews) a broker's record with a TTL of `leaseMs`. True when the record was
+   * not there before (a first registration, a lapsed lease, or a catalog that lost its data).
+   */
+  async putBroker(rec: BrokerRecord, leaseMs: number): Promise<boolean> {
+    const before = await this.redis.command('SET', this.brokerKey(rec.id), JSON.stringify(rec), 'PX', Math.max(1, Math.round(leaseMs)), 'GET');
     // Every renewal re-adds the id: a lazy prune by a gateway between our SET and a read cannot hide us for long.
     await this.redis.command('SADD', `${this.prefix}brokers`, rec.id);
+    return before === null;
   }
 
   /** Removes a broker at once (a drain), rather than waiting for its lease to run out. */

@@ -8,7 +8,7 @@ import { hostname } from 'node:os';
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import type { Principals } from '../api/principals.ts';
+import { DEFAULT_PRINCIPAL, type Principals } from '../api/principals.ts';
 import { bearer } from '../api/ws-server.ts';
 import type { Admission } from '../admission.ts';
 import type { BrokerMetrics } from '../metrics.ts';
@@ -52,7 +52,7 @@ export interface BrokerLoad {
 
 /** What the broker exposes for its load (structural, so this module does not import the Broker). */
 export interface LoadSource {
-  sessions: { all(): Array<{ vm: { vmState: string } }> };
+  sessions: { all(): Array<{ id: string; vm: { vmState: string } }>; ownerOf(id: string): string | undefined };
   admission: Admission;
   metrics: BrokerMetrics;
 }
@@ -85,21 +85,34 @@ export class ClusterMember {
     this.catalog = new Catalog(o.catalogUrl, o.prefix);
   }
 
-  /** Registers once listening, then renews every third of the lease. A failed renewal is retried next tick (the lease covers two misses). */
+  /**
+   * Registers once listening, then renews every third of the lease. A failed renewal is retried
+   * next tick (the lease covers two misses). Whenever the record was missing, the broker's
+   * sessions are put back in the map (SET NX: a placement made meanwhile wins), so a catalog
+   * that lost its data is rebuilt by the brokers, and a restarted broker's sessions are found.
+   */
   async register(port: number, host?: string): Promise<void> {
     // A broker bound to one address is reached there; one bound to all addresses by its host name.
     const at = host && host !== '0.0.0.0' && host !== '::' ? (host.includes(':') ? `[${host}]` : host) : hostname();
     this.record = { id: this.id, url: this.o.advertiseUrl ?? `ws://${at}:${port}`, templates: this.o.templates ?? [], startedAt: new Date().toISOString() };
-    await this.catalog.putBroker(this.record, this.leaseMs);
+    if (await this.catalog.putBroker(this.record, this.leaseMs)) await this.publishSessions();
     this.log.info('cluster.registered', { broker: this.id, url: this.record.url, leaseMs: this.leaseMs });
     this.timer = setInterval(() => {
       if (this.renewing || !this.record) return;
       this.renewing = this.catalog
         .putBroker(this.record, this.leaseMs)
+        .then((fresh) => (fresh ? this.publishSessions() : undefined))
         .catch((err: unknown) => this.log.warn('cluster.renew_failed', { broker: this.id, error: (err as Error).message }))
         .finally(() => (this.renewing = undefined));
     }, Math.max(50, Math.floor(this.leaseMs / 3)));
     this.timer.unref();
+  }
+
+  /** Puts every session this broker holds into the session map, unless the id is placed already. */
+  private async publishSessions(): Promise<void> {
+    const all = this.source.sessions.all();
+    const put = await Promise.all(all.map((s) => this.catalog.claimSession(s.id, { broker: this.id, principal: this.source.sessions.ownerOf(s.id) ?? DEFAULT_PRINCIPAL })));
+    this.log.info('cluster.sessions_published', { broker: this.id, sessions: all.length, added: put.filter(Boolean).length });
   }
 
   /** Stops renewing and removes the registration now: gateways place nothing new here from the next read on. */

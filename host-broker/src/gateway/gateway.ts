@@ -197,7 +197,14 @@ export class Gateway {
   private async liveBrokers(fresh = false): Promise<BrokerRecord[]> {
     const maxAge = this.o.brokerCacheMs ?? 1000;
     if (!fresh && this.brokers && Date.now() - this.brokers.at < maxAge) return this.brokers.list;
-    const list = await this.catalog.liveBrokers();
+    let list: BrokerRecord[];
+    try {
+      list = await this.catalog.liveBrokers();
+    } catch (err) {
+      // The catalog is unreachable: route by what was last known (placing needs the catalog and fails anyway).
+      if (this.brokers) return this.brokers.list;
+      throw err;
+    }
     this.brokers = { at: Date.now(), list };
     return list;
   }
@@ -311,7 +318,15 @@ export class Gateway {
   private async placement(session: string, principal: string, fresh: boolean): Promise<{ entry: SessionEntry; cached: boolean }> {
     const hit = fresh ? undefined : this.entries.get(session);
     if (hit && hit.principal === principal && Date.now() - hit.at < ENTRY_CACHE_MS) return { entry: hit, cached: true };
-    const entry = await this.catalog.session(session);
+    let entry: SessionEntry | undefined;
+    try {
+      entry = await this.catalog.session(session);
+    } catch (err) {
+      // The catalog is unreachable: a placement seen before still routes (its broker still checks the owner).
+      const known = this.entries.get(session);
+      if (known && known.principal === principal) return { entry: known, cached: true };
+      throw err;
+    }
     // Another principal's session answers exactly like a missing one, as on a broker.
     if (!entry || entry.principal !== principal) {
       this.entries.delete(session);
