@@ -255,6 +255,22 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
     expect(await cluster.catalog.command('EXISTS', `hutch:session:${sbx.sandboxId}`)).toBe(0);
   }, 60_000);
 
+  it('a gateway stopped with SIGTERM lets its call in flight finish, and says it is not ready meanwhile', async () => {
+    const g3 = await cluster.startGateway();
+    const h = await Hutch.connect(g3.url, { token: TENANTS.alice });
+    const sb = await h.attach([...placed.keys()][0] as string);
+    let started!: () => void;
+    const isStarted = new Promise<void>((r) => (started = r));
+    const inflight = sb.run('echo start; sleep 1; echo done', { onStdout: (c) => c.includes('start') && started() });
+    await isStarted;
+    g3.p.kill('SIGTERM');
+    await until('the gateway to report draining', async () => (await fetch(`${g3.url.replace(/^ws/, 'http')}/healthz`).then((r) => r.status, () => 0)) === 503);
+    const r = await inflight;
+    expect(r.stdout).toBe('start\ndone\n');
+    expect(await g3.exited).toBe(0);
+    h.close();
+  }, 60_000);
+
   it('the catalog loses its data: routed calls go on, and the brokers put their sessions back', async () => {
     const h = await Hutch.connect(g1.url, { token: TENANTS.alice });
     const ids = [...placed.keys()];

@@ -20,6 +20,7 @@ export const GATEWAY_HELP = `gateway options (hutch gateway: one endpoint in fro
                     the gateway-to-broker credential (env HUTCH_GATEWAY_TOKEN), shared with the brokers
   --sample K        brokers sampled per placement (default 2)
   --metrics-port N  also serve /metrics without a token on this port; --metrics-host A (default 127.0.0.1)
+  --drain-ms N      on SIGTERM, /healthz answers 503 and calls in flight get this long to finish (default 10000)
   --max-connections N, --max-frame-mib N, --log-level L, --ready-json: as for serve
 
 cluster options of serve (a broker behind gateways):
@@ -105,6 +106,7 @@ export async function gatewayMain(args: string[]): Promise<void> {
       'max-frame-mib': { type: 'string' },
       'log-level': { type: 'string' },
       'ready-json': { type: 'boolean', default: false },
+      'drain-ms': { type: 'string' },
       help: { type: 'boolean', short: 'h' },
     },
   });
@@ -140,6 +142,7 @@ export async function gatewayMain(args: string[]): Promise<void> {
     if (stopping) return;
     stopping = true;
     log.info('gateway.signal', { signal: sig });
+    if (sig === 'SIGTERM') await gw.drain(values['drain-ms'] !== undefined ? positiveInt('--drain-ms', values['drain-ms']) : 10_000);
     await gw.stop();
     process.exit(0);
   };

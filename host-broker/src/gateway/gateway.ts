@@ -93,6 +93,7 @@ export class Gateway {
   private readonly upstreamGauge = new Gauge({ name: 'hutch_gateway_upstreams', help: 'Open gateway-to-broker connections', registers: [this.registry] });
   port = 0;
   metricsPort = 0;
+  private draining = false;
 
   constructor(private readonly o: GatewayOptions) {
     new GatewayCredential(o.credential); // its length and shape, checked as the brokers check it
@@ -143,6 +144,18 @@ export class Gateway {
     return this.port;
   }
 
+  /**
+   * SIGTERM: /healthz turns 503 (a readiness probe takes the gateway out of its Service) and
+   * requests in flight get up to `timeoutMs` to finish before stop() closes the connections;
+   * their clients then reconnect to another gateway. Nothing else needs saving: a gateway holds
+   * no state of its own.
+   */
+  async drain(timeoutMs = 10_000): Promise<void> {
+    this.draining = true;
+    const until = Date.now() + timeoutMs;
+    while ((this.server?.inflight ?? 0) > 0 && Date.now() < until) await new Promise((r) => setTimeout(r, 25));
+  }
+
   async stop(): Promise<void> {
     clearInterval(this.sweeper);
     await new Promise<void>((r) => (this.metricsServer ? this.metricsServer.close(() => r()) : r()));
@@ -155,7 +168,8 @@ export class Gateway {
 
   private async onHttp(req: IncomingMessage, res: ServerResponse, principal: string | undefined, authenticated: () => void): Promise<boolean> {
     if (req.url === '/healthz') {
-      res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: true }));
+      // Draining: not ready, so the Service stops sending new clients here.
+      res.writeHead(this.draining ? 503 : 200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: !this.draining, ...(this.draining ? { draining: true } : {}) }));
       return true;
     }
     if (McpHttpEndpoint.matches(req.url)) return this.mcp.handle(req, res, principal, bearer(req)).then(() => true);
