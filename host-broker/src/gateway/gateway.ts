@@ -64,14 +64,6 @@ const ENTRY_CACHE_MAX = 100_000;
 /** An upstream idle this long (no request in flight) is closed. */
 const UPSTREAM_IDLE_MS = 60_000;
 
-/**
- * The client connection a request came on, where the WebSocket server tells it (streams are
- * per connection); without it, upstreams are shared per principal.
- */
-function clientConnection(ctx: OpContext): { id: number; closed: AbortSignal } | undefined {
-  return (ctx as { connection?: { id: number; closed: AbortSignal } }).connection;
-}
-
 export class Gateway {
   private server: WsServer | undefined;
   private metricsServer: Server | undefined;
@@ -238,9 +230,9 @@ export class Gateway {
   }
 
   private upstream(ctx: OpContext, rec: BrokerRecord): Promise<Upstream> {
-    const conn = clientConnection(ctx);
-    const binary = (ctx as { binary?: boolean }).binary ?? true;
-    const key = `${conn ? `c${conn.id}` : `p${ctx.principal}`}\n${binary ? 'b' : 't'}\n${rec.id}\n${rec.url}`;
+    const conn = ctx.connection;
+    const binary = ctx.binary;
+    const key = `${conn.id}\n${binary ? 'b' : 't'}\n${rec.id}\n${rec.url}`;
     const have = this.upstreams.get(key);
     if (have) {
       return have.then((u) => {
@@ -262,9 +254,9 @@ export class Gateway {
     opening.then(
       (u) => {
         // The client went away: its upstreams go too (the broker then cancels what it still runs).
-        if (conn?.closed.aborted) u.close();
+        if (conn.closed.aborted) u.close();
         else
-          conn?.closed.addEventListener('abort', () => {
+          conn.closed.addEventListener('abort', () => {
             if (this.upstreams.get(key) === opening) this.upstreams.delete(key);
             u.close();
           });
