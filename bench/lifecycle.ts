@@ -8,6 +8,8 @@
  *   wake_phases_ms              p50 ms from the wake's start to the end of each phase
  *   first_call_p50_ms           the whole first call after a wake (`true`), as the broker timed it:
  *                               the wake, the command's first fork in the restored guest, the pull
+ *   first_call_after_pending_p50_ms  the same when the harness sent tool_call_pending pending_lead_ms
+ *                               before the call (the wake starts then; the call waits for the rest)
  *   release_kill_ms             releasing a clean VM (state check + kill)
  *   release_snapshot_ms         releasing a dirty VM (state check + snapshot into a slot + kill)
  *   slot_restore_ms             the wake after that: restore from the slot, incremental push
@@ -104,6 +106,19 @@ for (let i = 0; i < WAKES; i++) {
 }
 progress(`wakes (ms): ${wakes.map((w) => w.toFixed(0)).join(' ')}`);
 
+// The same wake started by the harness's tool_call_pending, PENDING_LEAD_MS before the call
+// (the model still writing the call): what the call then waits for is what is left of the wake.
+const PENDING_LEAD_MS = 500;
+const pendingCalls: number[] = [];
+for (let i = 0; i < (quick ? 3 : 10); i++) {
+  await sb.hint('tool_call_pending');
+  await new Promise((r) => setTimeout(r, PENDING_LEAD_MS));
+  const r = await sb.run('true', { route: 'vm' });
+  pendingCalls.push(r.timing.totalMs);
+  await released(sb);
+}
+progress(`calls ${PENDING_LEAD_MS} ms after tool_call_pending (ms): ${pendingCalls.map((w) => w.toFixed(0)).join(' ')}`);
+
 // Dirty release into a slot, and the wake from it.
 const snaps: number[] = [];
 const slotWakes: number[] = [];
@@ -165,6 +180,8 @@ const summary = {
   wakes: wakes.length,
   wake_phases_ms: phaseMedians(phaseSamples),
   first_call_p50_ms: round(median(firstCalls), 0),
+  pending_lead_ms: PENDING_LEAD_MS,
+  first_call_after_pending_p50_ms: round(median(pendingCalls), 0),
 };
 const title = `lifecycle: wake, release, slot restore through the broker (${backend.accel}; project invoicer)`;
 const table = markdownTable([
@@ -174,6 +191,7 @@ const table = markdownTable([
     { measure: 'bare restore ms (baseline)', value: summary.restore_ms, aim: '' },
     { measure: 'wake phases, p50 ms to the end of each', value: Object.entries(summary.wake_phases_ms).map(([k, v]) => `${k} ${v}`).join(', '), aim: '' },
     { measure: 'whole first call after a wake, p50 ms', value: summary.first_call_p50_ms, aim: '' },
+    { measure: `the same, tool_call_pending sent ${PENDING_LEAD_MS} ms before the call, p50 ms`, value: summary.first_call_after_pending_p50_ms, aim: '' },
     { measure: 'release, kill (clean) ms', value: summary.release_kill_ms, aim: '' },
     { measure: 'release, snapshot slot (dirty) ms', value: summary.release_snapshot_ms, aim: '' },
     { measure: 'slot MiB written per dirty release', value: summary.slot_mib_written, aim: '' },
@@ -181,7 +199,7 @@ const table = markdownTable([
     { measure: 'push MB/s', value: summary.push_mb_s, aim: '' },
     { measure: 'broker MiB per idle session (no VM)', value: summary.idle_host_mib_per_session, aim: '' },
 ]);
-const raw = { wakes_ms: wakes.map((x) => round(x, 0)), first_calls_ms: firstCalls.map((x) => round(x, 0)), wake_phases_ms: phaseSamples, kills_ms: kills.map((x) => round(x, 0)), snaps_ms: snaps.map((x) => round(x, 0)), slot_wakes_ms: slotWakes.map((x) => round(x, 0)), bare_restore_ms: bareRestore.map((x) => round(x, 0)) };
+const raw = { wakes_ms: wakes.map((x) => round(x, 0)), first_calls_ms: firstCalls.map((x) => round(x, 0)), pending_calls_ms: pendingCalls.map((x) => round(x, 0)), wake_phases_ms: phaseSamples, kills_ms: kills.map((x) => round(x, 0)), snaps_ms: snaps.map((x) => round(x, 0)), slot_wakes_ms: slotWakes.map((x) => round(x, 0)), bare_restore_ms: bareRestore.map((x) => round(x, 0)) };
 emit(title, table, summary, raw);
 // A full run is the record (bench/results, as the other benches); --quick is for trying things.
 if (!quick) writeResults('lifecycle', title, table, summary, raw);
