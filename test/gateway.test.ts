@@ -16,7 +16,7 @@ import { Client } from '@modelcontextprotocol/sdk/client/index.js';
 import { StreamableHTTPClientTransport } from '@modelcontextprotocol/sdk/client/streamableHttp.js';
 import { Catalog } from '../host-broker/src/catalog/catalog.ts';
 import { place } from '../host-broker/src/gateway/placement.ts';
-import { clusterSkipReason, GATEWAY_CREDENTIAL, startCluster, TENANTS, type Broker, type Cluster, type GatewayProc } from './helpers/cluster.ts';
+import { clusterSkipReason, failure as failed, GATEWAY_CREDENTIAL, startCluster, TENANTS, until, type Broker, type Cluster, type GatewayProc } from './helpers/cluster.ts';
 
 const skip = clusterSkipReason();
 if (skip) console.log(`SKIPPING test/gateway.test.ts: ${skip}`);
@@ -33,22 +33,7 @@ async function brokerOf(sid: string): Promise<string> {
   return (JSON.parse(String(v)) as { broker: string }).broker;
 }
 
-async function until(what: string, check: () => Promise<boolean>, maxMs = 30_000): Promise<void> {
-  const end = Date.now() + maxMs;
-  while (!(await check())) {
-    if (Date.now() > end) throw new Error(`waited ${maxMs} ms for ${what}`);
-    await new Promise((r) => setTimeout(r, 100));
-  }
-}
-
-async function failure(p: Promise<unknown>): Promise<HutchError> {
-  try {
-    await p;
-  } catch (err) {
-    return err as HutchError;
-  }
-  throw new Error('expected a failure');
-}
+const failure = (p: Promise<unknown>) => failed<HutchError>(p);
 
 describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', () => {
   beforeAll(async () => {

@@ -181,3 +181,22 @@ export async function startCluster(work: string): Promise<Cluster> {
   };
   return self;
 }
+
+/** Waits for a condition (not a timing assertion: the bound only turns a hang into a failure naming what was awaited). */
+export async function until(what: string, check: () => boolean | Promise<boolean>, maxMs = 30_000): Promise<void> {
+  const end = Date.now() + maxMs;
+  while (!(await check())) {
+    if (Date.now() > end) throw new Error(`waited ${maxMs} ms for ${what}`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+/** The error a promise rejects with (failing the test if it resolves). */
+export async function failure<E = Error>(p: Promise<unknown>): Promise<E> {
+  try {
+    await p;
+  } catch (err) {
+    return err as E;
+  }
+  throw new Error('expected a failure');
+}

@@ -17,7 +17,7 @@ import { Gateway } from '../../host-broker/src/gateway/gateway.ts';
 import { ClusterMember } from '../../host-broker/src/catalog/member.ts';
 import { PRINCIPAL_HEADER } from '../../host-broker/src/gateway/credential.ts';
 import { Hutch, HutchError } from '../../host-broker/src/sdk/index.ts';
-import { clusterSkipReason, GATEWAY_CREDENTIAL, startCluster, TENANTS, type Broker, type Cluster, type GatewayProc } from '../helpers/cluster.ts';
+import { clusterSkipReason, failure as failed, GATEWAY_CREDENTIAL, startCluster, until, TENANTS, type Broker, type Cluster, type GatewayProc } from '../helpers/cluster.ts';
 
 const skip = clusterSkipReason();
 if (skip) console.log(`SKIPPING test/security/gateway.test.ts: ${skip}`);
@@ -27,14 +27,7 @@ let cluster: Cluster;
 let b1: Broker;
 let g1: GatewayProc, g2: GatewayProc;
 
-async function failure(p: Promise<unknown>): Promise<HutchError> {
-  try {
-    await p;
-  } catch (err) {
-    return err as HutchError;
-  }
-  throw new Error('expected a failure');
-}
+const failure = (p: Promise<unknown>) => failed<HutchError>(p);
 
 /** The HTTP status a WebSocket upgrade gets, or 101 with the hello's principal. */
 function upgrade(url: string, headers: Record<string, string>): Promise<{ status: number; principal?: string }> {
@@ -50,14 +43,6 @@ function upgrade(url: string, headers: Record<string, string>): Promise<{ status
     });
     ws.once('error', reject);
   });
-}
-
-async function until(check: () => boolean, maxMs = 20_000): Promise<void> {
-  const end = Date.now() + maxMs;
-  while (!check()) {
-    if (Date.now() > end) throw new Error(`condition not met within ${maxMs} ms`);
-    await new Promise((r) => setTimeout(r, 50));
-  }
 }
 
 describe.skipIf(skip !== undefined)('gateway security', () => {
@@ -235,13 +220,13 @@ describe.skipIf(skip !== undefined)('gateway security', () => {
           }),
         ),
       );
-      await until(() => closed >= 180);
+      await until('the gateway to drop the oldest half-open sockets', () => closed >= 180);
       expect((gw as unknown as { server: { unauthenticated: number } }).server.unauthenticated).toBeLessThanOrEqual(20);
       const alice = await Hutch.connect(url, { token: TENANTS.alice });
       expect((await (await alice.attach(aliceSession)).files.read('secret.txt')).content).toContain('alice only');
       alice.close();
       // The rest time out unauthenticated.
-      await until(() => closed >= 200);
+      await until('the rest to time out', () => closed >= 200);
     }, 60_000);
 
     it('a principal holds a bounded number of connections to a gateway', async () => {
