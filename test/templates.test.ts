@@ -6,7 +6,8 @@
  * debootstrap tarball under ~/.cache/hutch/template-debootstrap), so a warm run only boots.
  */
 import { execFileSync } from 'node:child_process';
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync, copyFileSync } from 'node:fs';
+import { createHash } from 'node:crypto';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, statSync, symlinkSync, writeFileSync, copyFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -27,6 +28,8 @@ const missing = missingRootTools(['qemu-system-x86_64', 'debootstrap', 'mke2fs',
 if (missing) console.warn(`SKIPPING test/templates.test.ts: ${missing}`);
 
 const log = (m: string) => console.log(`[template] ${m}`);
+/** The same bytes on every run, so the content-addressed builds kept in the cache are reused. */
+const STABLE_TAR = ['--sort=name', '--mtime=@1704067200', '--owner=0', '--group=0', '--numeric-owner'];
 
 describe.skipIf(missing !== undefined)('templates', { tags: ['vm'] }, () => {
   let work: string;
@@ -64,7 +67,7 @@ describe.skipIf(missing !== undefined)('templates', { tags: ['vm'] }, () => {
     const extra = join(work, 'extra');
     mkdirSync(join(extra, 'etc'), { recursive: true });
     writeFileSync(join(extra, 'etc/made-from-dir'), 'yes\n');
-    execFileSync('tar', ['-C', extra, '--numeric-owner', '--owner=0', '--group=0', '-rf', tar, './etc/made-from-dir']);
+    execFileSync('tar', ['-C', extra, ...STABLE_TAR, '-rf', tar, './etc/made-from-dir']);
     fromDir = await buildTemplate({ name: 'fromdir', from: tar, run: ['echo built-by-step > /etc/step-ran'], env: { HUTCH_TEMPLATE_TEST: 'on' }, dataDir, cacheDir: cacheDir(), log });
     console.log(`[template] fromdir: ${fromDir.cached ? 'reused' : 'built'} in ${fromDir.seconds.toFixed(1)} s; pristine snapshot ${(fromDir.snapshot.bytes / 2 ** 20).toFixed(0)} MiB on disk, boot ${fromDir.snapshot.bootMs} ms`);
     expect(fromDir.manifest.source.kind).toBe('tarball');
@@ -126,6 +129,70 @@ describe.skipIf(missing !== undefined)('templates', { tags: ['vm'] }, () => {
     } finally {
       await backend.shutdown();
     }
+  }, 600_000);
+
+  it('builds from an OCI image layout: layers in order, whiteouts applied, digests checked', async () => {
+    const busybox = await ensureStaticBusybox(log);
+    const oci = join(work, 'oci');
+    const blobs = join(oci, 'blobs', 'sha256');
+    mkdirSync(blobs, { recursive: true });
+    const blob = (file: string) => {
+      const hex = createHash('sha256').update(readFileSync(file)).digest('hex');
+      copyFileSync(file, join(blobs, hex));
+      return { digest: `sha256:${hex}`, size: statSync(file).size };
+    };
+    const l1 = join(work, 'oci-l1');
+    mkdirSync(join(l1, 'bin'), { recursive: true });
+    mkdirSync(join(l1, 'lib64'));
+    mkdirSync(join(l1, 'etc'));
+    copyFileSync(busybox, join(l1, 'bin/busybox'));
+    symlinkSync('busybox', join(l1, 'bin/sh'));
+    // The agent runs `bash --norc --noprofile -c CMD`: busybox has no bash applet, so a shim.
+    writeFileSync(join(l1, 'bin/bash'), '#!/bin/busybox sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec /bin/busybox sh "$@"\n', { mode: 0o755 });
+    copyFileSync('/lib64/ld-linux-x86-64.so.2', join(l1, 'lib64/ld-linux-x86-64.so.2'));
+    writeFileSync(join(l1, 'etc/deleted-by-layer-2'), 'x\n');
+    const l2 = join(work, 'oci-l2');
+    mkdirSync(join(l2, 'etc'), { recursive: true });
+    writeFileSync(join(l2, 'etc/.wh.deleted-by-layer-2'), '');
+    writeFileSync(join(l2, 'etc/from-layer-2'), 'two\n');
+    execFileSync('tar', ['-C', l1, ...STABLE_TAR, '-I', 'gzip -n', '-cf', join(work, 'l1.tgz'), '.']);
+    execFileSync('tar', ['-C', l2, ...STABLE_TAR, '-cf', join(work, 'l2.tar'), '.']);
+    writeFileSync(join(work, 'config.json'), JSON.stringify({ architecture: 'amd64', os: 'linux' }));
+    writeFileSync(
+      join(work, 'manifest.json'),
+      JSON.stringify({
+        schemaVersion: 2,
+        config: { mediaType: 'application/vnd.oci.image.config.v1+json', ...blob(join(work, 'config.json')) },
+        layers: [
+          { mediaType: 'application/vnd.oci.image.layer.v1.tar+gzip', ...blob(join(work, 'l1.tgz')) },
+          { mediaType: 'application/vnd.oci.image.layer.v1.tar', ...blob(join(work, 'l2.tar')) },
+        ],
+      }),
+    );
+    const manifest = blob(join(work, 'manifest.json'));
+    writeFileSync(join(oci, 'index.json'), JSON.stringify({ schemaVersion: 2, manifests: [{ mediaType: 'application/vnd.oci.image.manifest.v1+json', ...manifest, platform: { architecture: 'amd64', os: 'linux' } }] }));
+    writeFileSync(join(oci, 'oci-layout'), '{"imageLayoutVersion":"1.0.0"}');
+    const r = await buildTemplate({
+      name: 'oci',
+      from: oci,
+      // Fails the build unless layer 2's whiteout removed layer 1's file and left no .wh. entry.
+      run: ['test ! -e /etc/deleted-by-layer-2 && test "$(cat /etc/from-layer-2)" = two && ! ls -a /etc | grep -q "^\\.wh\\."'],
+      // Runs at boot before the pristine snapshot: its /tmp file is in every restored VM.
+      start: 'echo "warm $OCI_TEST_ENV" > /tmp/started-before-snapshot',
+      env: { OCI_TEST_ENV: 'yes' },
+      dataDir,
+      cacheDir: cacheDir(),
+      log,
+    });
+    expect(r.manifest.source).toMatchObject({ kind: 'oci', digest: manifest.digest });
+    // A root of nothing but busybox runs the agent (the layer's Node) and tenant commands.
+    const sb = await hutch.create({ template: 'oci' });
+    const out = await sb.run('cat /tmp/started-before-snapshot; id -u; echo $OCI_TEST_ENV', { route: 'vm' });
+    expect(out.stdout).toBe('warm yes\n1000\nyes\n');
+    await sb.close();
+    // A blob whose bytes do not match its digest is refused before anything boots.
+    writeFileSync(join(blobs, manifest.digest.slice('sha256:'.length)), '{}');
+    await expect(buildTemplate({ name: 'oci-bad', from: oci, dataDir, cacheDir: cacheDir(), log })).rejects.toMatchObject({ code: 'bad_request' });
   }, 600_000);
 
   it('refuses a root filesystem without /bin/sh, or without glibc, naming what is missing', async () => {

@@ -32,8 +32,13 @@ import { prepareSource, type SourceLayer } from './sources.ts';
 import { TemplateStore, validateTemplateName, DEFAULT_TEMPLATE, type TemplateManifest } from './store.ts';
 
 const HERE = fileURLToPath(new URL('.', import.meta.url));
-/** What shapes a build besides its inputs: the in-VM builder and this code. */
-const BUILDER_FILES = [join(HERE, '../../../rootfs/guest/build.sh'), join(HERE, 'build.ts'), join(HERE, 'sources.ts')];
+/**
+ * What shapes a build besides its inputs: the in-VM builder script and the host side's
+ * format (bump BUILD_FORMAT when a change to this code or sources.ts changes what a build
+ * produces; edits that do not, such as logging, then do not rebuild every template).
+ */
+const BUILDER_FILES = [join(HERE, '../../../rootfs/guest/build.sh')];
+const BUILD_FORMAT = '1';
 const MiB = 1024 * 1024;
 /** Swap the pristine snapshot is taken with: the qemu backend's default (a slot restores into the same layout). */
 export const TEMPLATE_SWAP_MIB = 512;
@@ -167,11 +172,12 @@ export async function buildTemplate(o: TemplateBuildOptions): Promise<TemplateBu
         { label: 'workdir', value: workdir },
         { label: 'start', value: JSON.stringify(o.start ?? null) },
         { label: 'size', value: `${memoryMiB}/${cpus}` },
+        { label: 'format', value: BUILD_FORMAT },
         ...BUILDER_FILES.map((file) => ({ file })),
       ],
       24,
     );
-    const builder = await hashInputs(BUILDER_FILES.map((file) => ({ file })));
+    const builder = await hashInputs([{ label: 'format', value: BUILD_FORMAT }, ...BUILDER_FILES.map((file) => ({ file }))]);
     const base = await ensureGuestBase({ ...(o.kernel ? { kernel: o.kernel } : {}), log });
     const accel = await chooseAccel(base.kernel, { cacheDir: o.cacheDir, log: createLogger({ name: 'hutch-template', level: 'warn' }) });
     const tsc = accel.accel === 'tcg' ? (await hostTscKhz()).khz : undefined;
