@@ -40,8 +40,8 @@ try {
       const { sandbox, wake } = await backend.start(spec);
       r.restoreMs.push(Math.round(wake.restoreMs ?? -1));
       r.wakeMs.push(Math.round(wake.wakeMs));
-      const echo = await sandbox.exec({ command: 'echo ok' }, { kind: 'none' });
-      if (echo.stdout.toString() !== 'ok\n') throw new Error(`${name}: unexpected output ${JSON.stringify(echo.stdout.toString())}`);
+      const r0 = await sandbox.exec({ command: 'python3 -c 1 || true; exit 7' }, { kind: 'none' });
+      if (r0.exitCode !== 7) throw new Error(`${name}: a command in the restored VM exited ${r0.exitCode}, not 7`);
       await sandbox.close();
     }
     out[name] = r;
