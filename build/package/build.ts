@@ -18,7 +18,7 @@ const root = resolve(dirname(fileURLToPath(import.meta.url)), '../..');
 const dist = join(root, 'dist');
 const STUBS = join(root, 'build/package/builder-stubs.ts');
 /** Modules that build the guest image (or the agent from source): not in the package. */
-const BUILDERS = ['rootfs/build.ts', 'rootfs/image.ts', 'kernel-configs/build.ts', 'kernel-configs/debian-kernel.ts', 'guest-agent/build.ts'].map((p) => join(root, p));
+const BUILDERS = ['rootfs/build.ts', 'rootfs/image.ts', 'kernel-configs/build.ts', 'kernel-configs/debian-kernel.ts', 'guest-agent/build.ts', 'host-broker/src/templates/debootstrap.ts'].map((p) => join(root, p));
 
 const stubBuilders: Plugin = {
   name: 'hutch-stub-builders',

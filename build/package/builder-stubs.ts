@@ -16,6 +16,7 @@ function noBuilder(): never {
 
 export const ensureRootfs = async (): Promise<never> => noBuilder();
 export const ensureAgentLayer = async (): Promise<never> => noBuilder();
+export const debootstrapTarball = async (): Promise<never> => noBuilder();
 export const ensureKernel = async (): Promise<never> => noBuilder();
 export const ensureDebianKernel = async (): Promise<never> => noBuilder();
 export const buildAgent = async (): Promise<never> => noBuilder();
