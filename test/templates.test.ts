@@ -20,6 +20,7 @@ import { QemuBackend } from '../host-broker/src/backends/qemu-backend.ts';
 import { cacheDir } from '../host-broker/src/backends/registry.ts';
 import type { Hutch } from '../host-broker/src/sdk/index.ts';
 import { buildTemplate, type TemplateBuildResult } from '../host-broker/src/templates/build.ts';
+import { TemplateStore } from '../host-broker/src/templates/store.ts';
 import { qemuPids } from '../host-broker/src/vm/qemu-driver.ts';
 import { startBroker, type TestBroker } from './helpers/broker.ts';
 import { missingRootTools } from './helpers/prerequisites.ts';
@@ -54,6 +55,8 @@ describe.skipIf(missing !== undefined)('templates', { tags: ['vm'] }, () => {
   }, 3_600_000);
 
   afterAll(async () => {
+    // The kept builds: only what the names point at (a changed input leaves the old build behind).
+    if (dataDir) new TemplateStore(dataDir).removeUnnamed();
     await b?.stop();
     if (b) expect(qemuPids(b.dataDir)).toEqual([]);
     rmSync(work, { recursive: true, force: true });

@@ -117,6 +117,9 @@ async function writeInputDisk(work: string, layers: SourceLayer[], o: Parameters
 function consoleRelay(log: (l: string) => void): { onLine: (l: string) => void; verdict: () => string | undefined } {
   let verdict: string | undefined;
   let inSteps = false;
+  // A step's output is relayed, up to a bound: a step printing without end fills no log.
+  let relayed = 0;
+  const MAX_RELAYED = 5000;
   // HUTCH_TEMPLATE_DEBUG=1: the build VM's whole console (kernel, init, build.sh).
   const all = process.env['HUTCH_TEMPLATE_DEBUG'] === '1';
   return {
@@ -130,7 +133,10 @@ function consoleRelay(log: (l: string) => void): { onLine: (l: string) => void; 
       } else if (l.startsWith('hutch-build: ')) {
         inSteps = false;
         log(l.slice('hutch-build: '.length));
-      } else if (inSteps && !l.startsWith('hutch-init:')) log(`  | ${l}`);
+      } else if (inSteps && !l.startsWith('hutch-init:')) {
+        if (++relayed <= MAX_RELAYED) log(`  | ${l}`);
+        else if (relayed === MAX_RELAYED + 1) log(`  | (further step output not shown: more than ${MAX_RELAYED} lines)`);
+      }
     },
     verdict: () => verdict,
   };

@@ -10,6 +10,7 @@ export const TEMPLATE_HELP = `usage:
   hutch template ls [--json]
   hutch template inspect NAME
   hutch template rm NAME
+  hutch template prune      remove builds no name points at (left by rebuilds with other inputs)
 
 SOURCE: a root filesystem tarball (docker/podman export; plain or gzip), a directory, an OCI
 image layout directory, or debootstrap:SUITE (Debian, with --packages). The root must provide
@@ -112,6 +113,11 @@ export async function templateMain(args: string[]): Promise<void> {
       if (!name) throw new HutchError('bad_request', 'hutch template inspect NAME');
       const e = store.resolve(validateTemplateName(name));
       process.stdout.write(`${JSON.stringify({ ...e.manifest, dir: e.dir, allocatedBytes: TemplateStore.allocatedBytes(e.dir) }, null, 2)}\n`);
+      return;
+    }
+    case 'prune': {
+      const gone = store.removeUnnamed();
+      process.stdout.write(`removed ${gone.length} build(s) no name points at${gone.length ? `: ${gone.join(' ')}` : ''}\n`);
       return;
     }
     case 'rm': {

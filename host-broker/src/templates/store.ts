@@ -154,6 +154,20 @@ export class TemplateStore {
     return { removedBuild: !stillUsed };
   }
 
+  /** Removes builds no name points at (left by rebuilds with other inputs); returns their ids. */
+  removeUnnamed(): string[] {
+    const named = new Set(this.list().map((e) => e.manifest.id));
+    let ids: string[] = [];
+    try {
+      ids = readdirSync(join(this.root, 'by-id')).filter((n) => /^[0-9a-f]{16,64}$/.test(n));
+    } catch {
+      return [];
+    }
+    const gone = ids.filter((id) => !named.has(id));
+    for (const id of gone) rmSync(this.byId(id), { recursive: true, force: true });
+    return gone;
+  }
+
   /** Bytes a build holds on disk (sparse files count what they use). */
   static allocatedBytes(dir: string): number {
     let total = 0;
