@@ -1,5 +1,6 @@
 /** `hutch template build | ls | rm | inspect` (dispatched from cli.ts). */
 import { parseArgs } from 'node:util';
+import { resolve } from 'node:path';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { cacheDir } from '../backends/registry.ts';
 import { buildTemplate } from './build.ts';
@@ -71,6 +72,8 @@ export async function templateMain(args: string[]): Promise<void> {
       'data-dir': { type: 'string' },
     },
   });
+  // ./hutch runs from the repo: relative paths are resolved where the user typed them.
+  const callerCwd = process.env['HUTCH_CALLER_CWD'] ?? process.cwd();
   const dataDir = defaultDataDir(values['data-dir']);
   const store = new TemplateStore(dataDir);
   const name = positionals[0];
@@ -81,7 +84,7 @@ export async function templateMain(args: string[]): Promise<void> {
       if (kernel !== undefined && kernel !== 'hutch' && kernel !== 'debian') throw new HutchError('bad_request', `--kernel ${kernel}: hutch or debian`);
       const r = await buildTemplate({
         name,
-        from: values.from,
+        from: values.from.startsWith('debootstrap:') ? values.from : resolve(callerCwd, values.from),
         ...(values.packages ? { packages: values.packages.split(',').map((s) => s.trim()).filter(Boolean) } : {}),
         run: values.run ?? [],
         env: parseEnvFlags(values.env ?? []),

@@ -15,15 +15,19 @@
  */
 import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { homedir } from 'node:os';
-import { join } from 'node:path';
+import { join, resolve } from 'node:path';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 
 /** The template every session gets when it names none: hutch's Debian bookworm image. */
 export const DEFAULT_TEMPLATE = 'default';
 
-/** The data dir of `hutch serve` and `hutch template` alike: --data-dir, else $HUTCH_DATA, else ~/.local/state/hutch. */
+/**
+ * The data dir of `hutch serve` and `hutch template` alike: --data-dir, else $HUTCH_DATA, else
+ * ~/.local/state/hutch; a relative one is the caller's (./hutch runs from the repository and
+ * says where it was called from in HUTCH_CALLER_CWD), so both commands mean the same directory.
+ */
 export function defaultDataDir(flag?: string): string {
-  return flag ?? process.env['HUTCH_DATA'] ?? join(homedir(), '.local/state/hutch');
+  return resolve(process.env['HUTCH_CALLER_CWD'] ?? process.cwd(), flag ?? process.env['HUTCH_DATA'] ?? join(homedir(), '.local/state/hutch'));
 }
 
 /**
