@@ -61,6 +61,8 @@ describe('telemetry from a real VM', { tags: ['vm'] }, () => {
     expect(sample?.memory.availableBytes).toBeLessThanOrEqual(sample?.memory.totalBytes ?? 0);
     expect(sample?.processes.find((p) => p.agent)?.rssBytes).toBeGreaterThan(1024 * 1024);
     expect(sample?.processes.some((p) => p.comm === 'sleep' && !p.agent)).toBe(true);
+    // The agent runs through the agent layer's loader; telemetry still names it for what it is.
+    expect(sample?.processes.find((p) => p.agent)?.comm).toBe('hutch-agent');
     expect(sample?.psiMemory).toBeDefined();
 
     const metrics = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${b.token}` } })).text();

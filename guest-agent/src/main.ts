@@ -8,10 +8,6 @@ import { createLogger, parseLogLevel } from './log.ts';
 import { HutchError } from './protocol/errors.ts';
 import { PROTOCOL_VERSION } from './protocol/version.ts';
 
-// The agent's Node runs through the agent layer's own loader (ld-linux), which would name the
-// process "ld-linux-x86-64" in /proc/<pid>/comm, telemetry and ps; libuv sets comm from the title.
-process.title = 'hutch-agent';
-
 const HELP = `hutch-agent: serves exec, file tools and workspace sync to the hutch broker
 
 usage: hutch-agent --listen SPEC [--listen SPEC ...] [options]

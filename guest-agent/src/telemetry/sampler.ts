@@ -60,7 +60,9 @@ export class TelemetrySampler {
     for (const pid of pids) {
       try {
         const s = await pidusage(pid);
-        out.push({ pid, comm: comm(pid), cpuPercent: Math.max(0, s.cpu), rssBytes: Math.max(0, Math.round(s.memory)), agent: pid === process.pid });
+        // The agent runs through the agent layer's loader, so its comm is "ld-linux-x86-64";
+        // process.title would fix comm but overwrite the command line that shows what runs.
+        out.push({ pid, comm: pid === process.pid ? 'hutch-agent' : comm(pid), cpuPercent: Math.max(0, s.cpu), rssBytes: Math.max(0, Math.round(s.memory)), agent: pid === process.pid });
       } catch {
         // exited
       }
