@@ -97,6 +97,8 @@ describe.skipIf(missing !== undefined)('templates', { tags: ['vm'] }, () => {
       expect(rt.stdout).toBe(`hello ${template}\n`);
       // ...pulled back into the host workspace, the source of truth.
       expect(readFileSync(join(b.dataDir, 'sessions', sb.id, 'workspace', 'out.txt'), 'utf8')).toBe(`HELLO ${template.toUpperCase()}\n`);
+      // The kernel has virtio-net for template builds' egress; a tenant VM still has no NIC.
+      expect((await sb.run('ls /sys/class/net', { route: 'vm' })).stdout, template).toBe('lo\n');
       if (template === 'trixie') {
         expect(py.stdout).toMatch(/^Python 3\.13\./);
         expect(node.stdout).toMatch(/^v20\./);

@@ -43,11 +43,26 @@ mkdir -p "$T" "$S"
 IN=/dev/vdb
 mount -n -t ext4 /dev/vdc "$T" || fail "cannot mount the target disk"
 spec_bytes=
+egress=
 read -r cmdline < /proc/cmdline
 for arg in $cmdline; do
-  case "$arg" in hutch.build_spec_bytes=*) spec_bytes=${arg#*=} ;; esac
+  case "$arg" in
+    hutch.build_spec_bytes=*) spec_bytes=${arg#*=} ;;
+    hutch.build_egress=*) egress=${arg#*=} ;;
+  esac
 done
 case "$spec_bytes" in *[!0-9]* | '') fail "no hutch.build_spec_bytes= on the command line" ;; esac
+# The network --run steps get: a NIC whose only peer is hutch's egress proxy (QEMU user
+# networking with restrict=on: no DNS, no host loopback, no direct connection). Steps reach
+# it as an HTTP/HTTPS proxy; the host decides where each connection may go.
+proxy=
+if [ -n "$egress" ]; then
+  case "$egress" in 10.0.2.*:*) ;; *) fail "bad hutch.build_egress=$egress" ;; esac
+  case "$egress" in *[!0-9.:]*) fail "bad hutch.build_egress=$egress" ;; esac
+  ip link set lo up 2>/dev/null
+  { ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0; } || fail "cannot bring up the build VM's network"
+  proxy="http://$egress"
+fi
 head -c "$spec_bytes" "$IN" | tar -xf - -C "$S" || fail "cannot read the build spec"
 [ -r "$S/spec" ] || fail "no build spec"
 # A layer's bytes: MiB-aligned offset, exact length.
@@ -136,7 +151,9 @@ for f in start env workdir; do
   [ -r "$S/$f" ] && cat "$S/$f" > "$T/etc/hutch/$f"
 done
 
-# --- 3. --run steps, as root in the image (this VM has no network: no NIC in the kernel) --
+# --- 3. --run steps, as root in the image (network: only through the egress proxy) ------
+[ -n "$proxy" ] && say "network: --run steps go out through hutch's egress proxy ($proxy as http_proxy and https_proxy; no DNS or direct connections)"
+
 wd=/
 [ -r "$S/workdir" ] && read -r wd < "$S/workdir"
 i=0
@@ -147,7 +164,9 @@ while [ -r "$S/steps/$((i + 1))" ]; do
     mount -n -t tmpfs -o mode=1777 tmp "$T/tmp" || fail "cannot mount /proc, /dev, /sys, /tmp for step $i"
   cp "$S/steps/$i" "$T/tmp/.hutch-step"
   [ -r "$S/env" ] && cp "$S/env" "$T/tmp/.hutch-env"
+  # Unquoted on purpose: no proxy, no words; the values hold no spaces.
   chroot "$T" $BB env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+    ${proxy:+http_proxy=$proxy https_proxy=$proxy HTTP_PROXY=$proxy HTTPS_PROXY=$proxy no_proxy=localhost,127.0.0.1 NO_PROXY=localhost,127.0.0.1} \
     $BB sh -c 'if [ -r /tmp/.hutch-env ]; then while IFS= read -r kv; do case "$kv" in *=*) export "$kv" ;; esac; done < /tmp/.hutch-env; fi; cd "$1" || exit 1; exec /bin/sh /tmp/.hutch-step' sh "$wd" < /dev/null 2>&1
   status=$?
   umount -l "$T/tmp" "$T/sys" "$T/dev" "$T/proc"

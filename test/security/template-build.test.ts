@@ -3,13 +3,16 @@
  * bytes and everything is unpacked and run inside a throwaway microVM. What a hostile
  * tarball or step would try: entries with ../ and absolute names, a symlink pointing out of
  * the tree with a file written through it, a hard link to a host file, setuid files and
- * device nodes, steps writing the build VM's other disks. None of it may reach the host.
+ * device nodes, steps writing the build VM's other disks, steps reaching for the host's
+ * loopback or cloud metadata over the build network. None of it may reach the host.
  * And a template name is a file name under the data dir, never a path.
  */
 import { createHash, randomBytes } from 'node:crypto';
 import { execFileSync } from 'node:child_process';
 import { existsSync, mkdtempSync, type Stats, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { createServer as createHttpServer } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { networkInterfaces, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ensureStaticBusybox } from '../../build/busybox.ts';
@@ -206,4 +209,58 @@ describe.skipIf(missing !== undefined)('a hostile template source and --run step
     expectNoTrace(before, r.manifest.id);
   }, 1_200_000);
 
+  it("--run steps download through the egress proxy, but never reach this host's loopback, own addresses or cloud metadata", async () => {
+    // Servers a step would love to reach: one on the host's loopback (where the broker and
+    // Redis listen), one on all addresses. Neither may see a single request.
+    let hits = 0;
+    const serve = () => createHttpServer((_req, res) => (hits++, res.end('secret\n')));
+    const loop = serve().listen(0, '127.0.0.1');
+    const any = serve().listen(0, '0.0.0.0');
+    await Promise.all([loop, any].map((s) => new Promise((r) => s.once('listening', r))));
+    const lp = (loop.address() as AddressInfo).port;
+    const ap = (any.address() as AddressInfo).port;
+    const hostIp = Object.values(networkInterfaces()).flat().find((i) => i && i.family === 'IPv4' && !i.internal)?.address ?? '192.0.2.1';
+    const lines: string[] = [];
+    try {
+      const busybox = readFileSync(await ensureStaticBusybox());
+      const clean = join(work, 'net.tar');
+      writeFileSync(clean, Buffer.concat([...qualifyingRoot(busybox), Buffer.alloc(1024)]));
+      const attempts = [
+        // Through the proxy (http_proxy is set for steps): refused by address, by name, mapped.
+        `http://127.0.0.1:${lp}/`, `http://localhost:${lp}/`, `http://[::ffff:127.0.0.1]:${lp}/`, `http://${hostIp}:${ap}/`, 'http://169.254.169.254/latest/meta-data/',
+      ];
+      const direct = [
+        // Around the proxy: slirp's host alias (the host's loopback when unrestricted), the host, the metadata service.
+        `http://10.0.2.2:${lp}/`, `http://${hostIp}:${ap}/`, 'http://169.254.169.254/',
+      ];
+      const step = [
+        // No wget -T: busybox 1.35's wget segfaults with it; `timeout` bounds the direct tries.
+        ...attempts.map((u) => `if /bin/busybox wget -q -O - '${u}'; then echo "LEAK proxy ${u}"; else echo "BLOCKED proxy ${u}"; fi`),
+        ...direct.map((u) => `if /bin/busybox timeout 10 /bin/busybox wget -Y off -q -O - '${u}'; then echo "LEAK direct ${u}"; else echo "BLOCKED direct ${u}"; fi`),
+        // An ordinary download works, and lands in the image.
+        '/bin/busybox timeout 120 /bin/busybox wget -q -O /fetched http://deb.debian.org/debian/dists/bookworm/Release && /bin/busybox grep -q "^Origin: Debian" /fetched && echo FETCHED',
+      ].join('\n');
+      const r = await buildTemplate({ name: 'egress', from: clean, run: [step], dataDir: data, cacheDir: cacheDir(), log: (m) => (lines.push(m), console.log(`[egress] ${m}`)) });
+      expect(r.cached).toBe(false);
+      // What the step printed (the log also echoes the step's text, which names LEAK).
+      const out = lines.filter((l) => l.startsWith('  | ')).join('\n');
+      expect(out).not.toContain('LEAK');
+      expect(out).not.toContain('secret');
+      for (const u of attempts) expect(out).toContain(`BLOCKED proxy ${u}`);
+      for (const u of direct) expect(out).toContain(`BLOCKED direct ${u}`);
+      expect(out).toContain('FETCHED');
+      expect(lines.join('\n')).toMatch(/egress: .*refused: 127\.0\.0\.1 is loopback/);
+      expect(hits).toBe(0);
+      // Without steps there is no NIC and no proxy at all; --offline steps get none either.
+      const offline = await buildTemplate({ name: 'offline', from: clean, run: ['if /bin/busybox timeout 10 /bin/busybox wget -q -O /x http://deb.debian.org/; then echo ONLINE; else echo OFFLINE; fi; echo NET:$(/bin/busybox ls /sys/class/net)'], network: false, dataDir: data, cacheDir: cacheDir(), log: (m) => lines.push(m) });
+      expect(offline.manifest.id).not.toBe(r.manifest.id);
+      const offOut = lines.filter((l) => l.startsWith('  | ')).join('\n');
+      expect(offOut).toMatch(/OFFLINE/);
+      expect(offOut).not.toMatch(/ONLINE/);
+      expect(offOut).toMatch(/NET:lo$/m);
+    } finally {
+      loop.close();
+      any.close();
+    }
+  }, 1_200_000);
 });

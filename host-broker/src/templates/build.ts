@@ -6,14 +6,15 @@
  * 2. A throwaway microVM boots hutch's agent layer in build mode (rootfs/guest/build.sh):
  *    it unpacks the layers onto an empty ext4 disk the host made, adds the tenant user and
  *    mount points, runs the --run steps as root inside the image, checks what a template
- *    root must provide, and powers off. The VM has no network (no NIC in the hutch kernel):
- *    --run steps work offline only.
+ *    root must provide, and powers off. When there are --run steps, the VM's one NIC reaches
+ *    nothing but egress-proxy.ts (HTTP/HTTPS proxy; never the host itself): steps that
+ *    download (apt-get, pip, curl, git over https) work as on the build host.
  * 3. A VM boots from the result (the start command runs before the agent) and its pristine
  *    snapshot is taken; then the build is published under its content address and NAME
  *    points at it. Same inputs, same id: nothing is rebuilt (unless --force).
  */
 import { randomBytes } from 'node:crypto';
-import { createReadStream, createWriteStream, mkdirSync, readdirSync, renameSync, rmSync, statSync, writeFileSync, chmodSync, truncateSync, existsSync } from 'node:fs';
+import { createReadStream, createWriteStream, mkdirSync, mkdtempSync, readdirSync, renameSync, rmSync, statSync, writeFileSync, chmodSync, truncateSync, existsSync } from 'node:fs';
 import { join } from 'node:path';
 import { tmpdir } from 'node:os';
 import { pipeline } from 'node:stream/promises';
@@ -28,6 +29,7 @@ import { chooseAccel } from '../vm/accel.ts';
 import { ensureGuestBase, withTemplateRoot, type GuestBase, type KernelChoice } from '../vm/guest-image.ts';
 import { QemuDriver } from '../vm/qemu-driver.ts';
 import { SnapshotStore } from '../vm/snapshot-store.ts';
+import { startEgressProxy, type EgressProxy } from './egress-proxy.ts';
 import { prepareSource, type SourceLayer } from './sources.ts';
 import { TemplateStore, validateTemplateName, DEFAULT_TEMPLATE, type TemplateManifest } from './store.ts';
 
@@ -38,7 +40,10 @@ const HERE = fileURLToPath(new URL('.', import.meta.url));
  * produces; edits that do not, such as logging, then do not rebuild every template).
  */
 const BUILDER_FILES = [join(HERE, '../../../rootfs/guest/build.sh')];
-const BUILD_FORMAT = '1';
+const BUILD_FORMAT = '2';
+/** Where the build VM sees its egress proxy (inside QEMU's user network, 10.0.2.0/24). */
+const EGRESS_ADDRESS = '10.0.2.100';
+const EGRESS_PORT = 3128;
 const MiB = 1024 * 1024;
 /** Swap the pristine snapshot is taken with: the qemu backend's default (a slot restores into the same layout). */
 export const TEMPLATE_SWAP_MIB = 512;
@@ -59,6 +64,8 @@ export interface TemplateBuildOptions {
   force?: boolean;
   /** The build VM's whole life (unpack + steps); default 30 min. */
   timeoutMs?: number;
+  /** false: --run steps get no network at all (default: through the egress proxy). */
+  network?: boolean;
   log?: (line: string) => void;
 }
 
@@ -163,8 +170,11 @@ export async function buildTemplate(o: TemplateBuildOptions): Promise<TemplateBu
   if (!Number.isInteger(memoryMiB) || memoryMiB < 128 || memoryMiB > 64 * 1024) throw new HutchError('bad_request', `--memory ${memoryMiB}: 128..65536 MiB`);
   if (!Number.isInteger(cpus) || cpus < 1 || cpus > 16) throw new HutchError('bad_request', `--cpus ${cpus}: 1..16`);
 
+  const network = o.network ?? true;
   const store = new TemplateStore(o.dataDir);
   mkdirSync(join(store.root, 'by-id'), { recursive: true });
+  let egress: EgressProxy | undefined;
+  let egressDir: string | undefined;
   const work = join(store.root, `.build-${process.pid}-${randomBytes(4).toString('hex')}`);
   mkdirSync(work, { recursive: true, mode: 0o700 });
   chmodSync(work, 0o700);
@@ -178,6 +188,8 @@ export async function buildTemplate(o: TemplateBuildOptions): Promise<TemplateBu
         { label: 'workdir', value: workdir },
         { label: 'start', value: JSON.stringify(o.start ?? null) },
         { label: 'size', value: `${memoryMiB}/${cpus}` },
+        // Offline steps may build something else than the same steps with the network.
+        ...(network ? [] : [{ label: 'network', value: 'off' }]),
         { label: 'format', value: BUILD_FORMAT },
         ...BUILDER_FILES.map((file) => ({ file })),
       ],
@@ -199,7 +211,7 @@ export async function buildTemplate(o: TemplateBuildOptions): Promise<TemplateBu
     }
 
     log(`${name}: building ${id} from ${source.info.kind} ${source.info.ref} (${source.layers.length} layer(s), ${steps.length} --run step(s))`);
-    if (steps.length > 0) log('NOTE: --run steps have NO NETWORK: the build VM has no network device (the hutch kernel has no NIC); steps that download will fail. Put packages in the source (e.g. debootstrap:SUITE --packages) instead.');
+    if (steps.length > 0 && !network) log('NOTE: --offline: --run steps have no network; steps that download will fail.');
     const input = await writeInputDisk(work, source.layers, { run: steps, env, workdir, ...(o.start !== undefined ? { start: o.start } : {}) });
     // The target: an empty ext4 made here (no tenant bytes in it yet), sparse; room for
     // the layers unpacked (gzip ~3x) and what the steps add.
@@ -210,11 +222,24 @@ export async function buildTemplate(o: TemplateBuildOptions): Promise<TemplateBu
 
     const tb = performance.now();
     const relay = consoleRelay(log);
+    // Only steps need the network; a build without them boots no NIC at all.
+    if (network && steps.length > 0) {
+      egressDir = mkdtempSync(join(tmpdir(), 'hutch-egress-'));
+      egress = await startEgressProxy({ socketPath: join(egressDir, 'proxy.sock'), log });
+    }
     const vm = await driver.boot({
       id: `tpl-${id.slice(0, 8)}`,
       // Short: QEMU's Unix sockets live there (at most 107 bytes of path).
       dir: join(tmpdir(), `hutch-tpl-${id.slice(0, 8)}-${process.pid}`),
-      image: { kernel: base.kernel, ...(base.initrd ? { initrd: base.initrd } : {}), flavor: base.flavor, agentLayer: base.agentLayer, rootfs: input.file, cmdline: ['hutch.mode=build', `hutch.build_spec_bytes=${input.specBytes}`] },
+      image: {
+        kernel: base.kernel,
+        ...(base.initrd ? { initrd: base.initrd } : {}),
+        flavor: base.flavor,
+        agentLayer: base.agentLayer,
+        rootfs: input.file,
+        cmdline: ['hutch.mode=build', `hutch.build_spec_bytes=${input.specBytes}`, ...(egress ? [`hutch.build_egress=${EGRESS_ADDRESS}:${EGRESS_PORT}`] : [])],
+      },
+      ...(egress ? { egress: { proxySocket: egress.socketPath, proxyAddress: EGRESS_ADDRESS, proxyPort: EGRESS_PORT } } : {}),
       memoryMiB,
       cpus,
       swapMiB: 0,
@@ -227,6 +252,8 @@ export async function buildTemplate(o: TemplateBuildOptions): Promise<TemplateBu
     const ended = await Promise.race([vm.exited, timedOut]);
     clearTimeout(timer);
     await vm.destroy();
+    await egress?.close();
+    egress = undefined;
     const verdict = relay.verdict();
     if (ended === 'timeout') throw new HutchError('timeout', `template ${name}: the build VM did not finish within ${timeoutMs / 1000} s`, { template: name });
     if (!verdict) throw new HutchError('internal', `template ${name}: the build VM ended without a verdict; console tail: ${ended.console.slice(-8).join(' | ')}`, { template: name });
@@ -270,6 +297,8 @@ export async function buildTemplate(o: TemplateBuildOptions): Promise<TemplateBu
     log(`${name}: ready (${id}) in ${Math.round((performance.now() - t0) / 1000)} s`);
     return { manifest, cached: false, dir: final, seconds: (performance.now() - t0) / 1000, snapshot: snap };
   } finally {
+    await egress?.close();
+    if (egressDir) rmSync(egressDir, { recursive: true, force: true });
     rmSync(work, { recursive: true, force: true });
   }
 }

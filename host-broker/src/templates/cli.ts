@@ -20,7 +20,10 @@ image layout directory, or debootstrap:SUITE (Debian, with --packages). The root
 build options:
   --packages a,b,c  Debian packages for debootstrap:SUITE
   --run 'STEP'      a shell step run as root inside a microVM booted from the image being built
-                    (repeatable, in order). The build VM has NO NETWORK: steps work offline only.
+                    (repeatable, in order). Steps reach the network through hutch's egress proxy
+                    (http_proxy/https_proxy are set: apt-get, pip, curl, wget, git work; no DNS or
+                    raw sockets, and never this host's loopback, own addresses or link-local/metadata)
+  --offline         give the --run steps no network at all
   --env K=V         environment for the steps, the start command and every tenant command (repeatable)
   --workdir DIR     where the steps and the start command run (default /)
   --start 'CMD'     run at boot before the pristine snapshot is taken: warm what users will run
@@ -68,6 +71,7 @@ export async function templateMain(args: string[]): Promise<void> {
       cpus: { type: 'string' },
       kernel: { type: 'string' },
       force: { type: 'boolean', default: false },
+      offline: { type: 'boolean', default: false },
       json: { type: 'boolean', default: false },
       'data-dir': { type: 'string' },
     },
@@ -94,6 +98,7 @@ export async function templateMain(args: string[]): Promise<void> {
         ...(values.cpus ? { cpus: Number(values.cpus) } : {}),
         ...(kernel ? { kernel } : {}),
         force: values.force,
+        ...(values.offline ? { network: false } : {}),
         dataDir,
         cacheDir: cacheDir(),
         log: (l) => process.stderr.write(`template: ${l}\n`),

@@ -3,8 +3,8 @@
  * cached under `<cache>/template-debootstrap/<key>/rootfs.tar` by suite, packages, mirror
  * and this file, so CI builds it once (minutes) and then reuses it.
  *
- * debootstrap runs on the host (as rootfs/base.ts does for the default template): the
- * build VM has no network (the hutch kernel has no NIC), and what it installs are Debian
+ * debootstrap runs on the host (as rootfs/base.ts does for the default template): it needs
+ * no VM and no egress proxy for what is only Debian packages, and what it installs are Debian
  * packages checked against the Debian archive keyring, named by the user from a strict
  * alphabet. The resulting tree is only tarred here; the template build unpacks it in its VM.
  */

@@ -9,8 +9,8 @@
  *   path/to/oci-layout/       an OCI image layout (oci-layout + index.json + blobs/sha256/),
  *                             linux/amd64; its layers in order, whiteouts applied in the VM
  *   debootstrap:SUITE         Debian SUITE (minbase) plus --packages, built with debootstrap on
- *                             the host from signature-checked Debian packages (the VM has no
- *                             network), cached under ~/.cache/hutch by suite + packages
+ *                             the host from signature-checked Debian packages (no VM
+ *                             needed), cached under ~/.cache/hutch by suite + packages
  */
 import { createHash } from 'node:crypto';
 import { createReadStream, openSync, readSync, closeSync, readFileSync, statSync, existsSync } from 'node:fs';

@@ -188,6 +188,7 @@ export class QemuDriver implements VmmDriver {
       '-device', 'virtio-rng-device',
       '-qmp', `unix:${qmpPath},server=on,wait=off`,
     );
+    if (spec.egress) a.push(...egressNicArgs(spec.egress));
     if (memory) {
       a.push('-object', `memory-backend-file,id=mem,size=${spec.memoryMiB}M,mem-path=${memory.file},share=${memory.shared ? 'on' : 'off'}`);
       machine.push('memory-backend=mem');
@@ -325,3 +326,25 @@ async function waitForChildrenGone(pid: number, timeoutMs: number, vm: string): 
     await new Promise((r) => setTimeout(r, 10));
   }
 }
+
+/**
+ * The build VM's NIC (last, so no other device's virtio-mmio slot moves). restrict=on drops
+ * every packet that is not for a guestfwd: no DNS, no 10.0.2.2 (slirp maps it to the host's
+ * loopback, where the broker and the catalog listen), no direct connection anywhere. The
+ * guestfwd spawns a relay per guest connection to the host-side proxy's Unix socket, which
+ * decides where the connection may go.
+ */
+export function egressNicArgs(e: NonNullable<VmSpec['egress']>): string[] {
+  // QEMU's option parser splits on commas; a socket path with one (or a shell metacharacter,
+  // since QEMU runs the command with /bin/sh -c) is refused rather than escaped.
+  if (!/^[A-Za-z0-9._\/-]+$/.test(e.proxySocket)) throw new HutchError('internal', `egress proxy socket path ${JSON.stringify(e.proxySocket)} has characters QEMU's guestfwd cannot carry`);
+  if (!/^10\.0\.2\.\d{1,3}$/.test(e.proxyAddress) || !Number.isInteger(e.proxyPort) || e.proxyPort < 1 || e.proxyPort > 65535) {
+    throw new HutchError('internal', `egress proxy address ${e.proxyAddress}:${e.proxyPort} is not in slirp's 10.0.2.0/24`);
+  }
+  const relay = `socat - UNIX-CONNECT:${e.proxySocket}`;
+  return [
+    '-netdev', `user,id=egress,restrict=on,ipv6=off,guestfwd=tcp:${e.proxyAddress}:${e.proxyPort}-cmd:${relay}`,
+    '-device', 'virtio-net-device,netdev=egress',
+  ];
+}
+

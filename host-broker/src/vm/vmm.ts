@@ -48,6 +48,13 @@ export interface VmSpec {
   disks?: readonly { file: string; readonly: boolean }[];
   /** Every console line as it arrives (template builds read their progress from it). */
   onConsole?: (line: string) => void;
+  /**
+   * A NIC whose only reachable peer is an egress proxy (template build VMs only; tenant VMs
+   * never get one). QEMU's user network runs with restrict=on, so the guest reaches neither
+   * the host's loopback (slirp's 10.0.2.2) nor anything else directly: its one route out is
+   * a TCP port at `proxyAddress`, relayed per connection to `proxySocket` on the host.
+   */
+  egress?: { proxySocket: string; proxyAddress: string; proxyPort: number };
 }
 
 export interface MemoryBacking {
