@@ -11,7 +11,7 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { networkInterfaces, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { parseProxyRequest, refusalFor, startEgressProxy, type EgressProxy } from '../host-broker/src/templates/egress-proxy.ts';
+import { parseCidr, parseProxyRequest, refusalFor, startEgressProxy, type EgressProxy } from '../host-broker/src/templates/egress-proxy.ts';
 
 describe('refusalFor', () => {
   const own = new Set(['192.0.2.7', '20010db8000000000000000000000007']);
@@ -37,8 +37,29 @@ describe('refusalFor', () => {
   ])('%s is refused (%s)', (addr, why) => {
     expect(refusalFor(addr, own)).toMatch(new RegExp(why));
   });
-  it.each(['151.101.2.132', '10.255.255.53', '100.100.100.201', 'fd00:ec2::253', '2a04:4e42::644'])('%s may be reached', (addr) => {
+  it.each(['151.101.2.132', '203.0.113.80', '2a04:4e42::644'])('%s may be reached', (addr) => {
     expect(refusalFor(addr, own)).toBeUndefined();
+  });
+  // A build host's LAN is where a fleet's Redis and brokers live: closed unless allowed.
+  it.each(['10.255.255.53', '172.16.0.1', '172.31.255.254', '192.168.1.1', '100.64.0.1', '100.100.100.201', 'fd00:ec2::253', 'fc00::1', '::ffff:10.0.0.1', '::ffff:a00:1'])('%s is on a private network: refused unless allowed', (addr) => {
+    expect(refusalFor(addr, own)).toMatch(/private network.*--egress-allow/);
+    expect(refusalFor(addr, own, [parseCidr('0.0.0.0/0'), parseCidr('::/0')])).toBeUndefined();
+  });
+  it('an allowed range opens only itself, never this host, link-local, metadata or loopback', () => {
+    const lan = [parseCidr('10.1.0.0/16'), parseCidr('fd12:3456::/32')];
+    expect(refusalFor('10.1.200.3', own, lan)).toBeUndefined();
+    expect(refusalFor('fd12:3456:ffff::1', own, lan)).toBeUndefined();
+    expect(refusalFor('10.2.0.1', own, lan)).toMatch(/private/);
+    expect(refusalFor('fd12:3457::1', own, lan)).toMatch(/private/);
+    const everything = [parseCidr('0.0.0.0/0'), parseCidr('::/0')];
+    for (const a of ['127.0.0.1', '169.254.169.254', '100.100.100.200', 'fd00:ec2::254', '192.0.2.7', '::1', '::ffff:7f00:1']) expect(refusalFor(a, own, everything), a).toBeDefined();
+  });
+  it.each(['10.0.0.0/33', '10.0.0.0/8/1', 'example.org/8', '', '10.0.0/8', '::/129', '10.0.0.0/-1', '10.0.0.0/ 8'])('parseCidr refuses %j', (c) => {
+    expect(() => parseCidr(c)).toThrow(/--egress-allow/);
+  });
+  it('parseCidr takes a bare address as one host and masks the rest', () => {
+    expect(parseCidr('192.168.7.9')).toMatchObject({ family: 4, bits: 32 });
+    expect(parseCidr('10.9.9.9/8').prefix).toBe(parseCidr('10.0.0.0/8').prefix);
   });
 });
 
@@ -79,7 +100,9 @@ describe('the proxy, live', () => {
 
   beforeAll(async () => {
     dir = mkdtempSync(join(tmpdir(), 'hutch-egress-test-'));
-    proxy = await startEgressProxy({ socketPath: join(dir, 'p.sock'), log: (l) => lines.push(l), maxConnections: 4, headTimeoutMs: 1_000 });
+    // Where a network reaches Debian through a mirror on its LAN, that is what --egress-allow is for.
+    const mirror = await lookup('deb.debian.org', { all: true }).then((r) => r.map((x) => x.address), () => []);
+    proxy = await startEgressProxy({ socketPath: join(dir, 'p.sock'), allow: mirror, log: (l) => lines.push(l), maxConnections: 4, headTimeoutMs: 1_000 });
     const serve = () => createHttpServer((_req, res) => (hits++, res.end('secret\n')));
     loopbackServer = serve().listen(0, '127.0.0.1');
     anyServer = serve().listen(0, '0.0.0.0');
@@ -125,6 +148,30 @@ describe('the proxy, live', () => {
     }
     expect(hits).toBe(0);
     expect(lines.some((l) => /refused: 127\.0\.0\.1 is loopback/.test(l))).toBe(true);
+  });
+
+  it('refuses private networks by address, by mapped form and by name, unless a range is allowed', async () => {
+    for (const a of ['CONNECT 10.0.0.1:80 HTTP/1.1\r\n\r\n', 'GET http://[::ffff:a00:1]/ HTTP/1.1\r\n\r\n', 'GET http://192.168.0.1/ HTTP/1.1\r\n\r\n']) {
+      expect(await ask(a), a).toMatch(/^HTTP\/1\.1 403 [^]*private network/);
+    }
+    const open = await startEgressProxy({ socketPath: join(dir, 'lan.sock'), allow: ['10.0.0.0/8'], log: () => undefined });
+    try {
+      // Allowed: the proxy tries to connect (whatever the LAN answers), it does not refuse.
+      const out = await new Promise<string>((resolve) => {
+        const s = connect(open.socketPath);
+        let got = '';
+        s.on('data', (d) => (got += d.toString('latin1')));
+        s.on('close', () => resolve(got));
+        s.on('error', () => resolve(got));
+        s.setTimeout(3_000, () => (s.destroy(), resolve(got)));
+        s.write('CONNECT 10.255.255.1:9 HTTP/1.1\r\n\r\n');
+      });
+      expect(out).not.toMatch(/^HTTP\/1\.1 403/);
+      expect(open.stats.refused).toBe(0);
+    } finally {
+      await open.close();
+    }
+    await expect(startEgressProxy({ socketPath: join(dir, 'bad.sock'), allow: ['10.0.0.0/99'], log: () => undefined })).rejects.toThrow(/--egress-allow/);
   });
 
   it('answers malformed, oversized and stalled heads with 400 and closes', async () => {

@@ -10,6 +10,7 @@
 import { createHash, randomBytes } from 'node:crypto';
 import { execFileSync } from 'node:child_process';
 import { existsSync, mkdtempSync, type Stats, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { lookup } from 'node:dns/promises';
 import { createServer as createHttpServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { networkInterfaces, tmpdir } from 'node:os';
@@ -92,6 +93,19 @@ describe('template names cannot leave the data dir', () => {
         expect(() => store.setName(name, 'a'.repeat(24))).toThrow(/invalid template name/);
         await expect(buildTemplate({ name, from: '/nonexistent', dataDir: data, cacheDir: data })).rejects.toMatchObject({ code: 'bad_request' });
       }
+      expect(readdirSync(data)).toEqual([]);
+    } finally {
+      rmSync(data, { recursive: true, force: true });
+    }
+  });
+
+  it('--egress-allow takes address ranges only, and contradicts --offline, refused before touching the disk', async () => {
+    const data = mkdtempSync(join(tmpdir(), 'hutch-tpl-egress-flags-'));
+    try {
+      for (const egressAllow of [['10.0.0.0/33'], ['evil.example/8'], ['10.0.0.0/8,127.0.0.1']]) {
+        await expect(buildTemplate({ name: 'ok', from: '/nonexistent', run: ['true'], egressAllow, dataDir: data, cacheDir: data })).rejects.toMatchObject({ code: 'bad_request', message: expect.stringMatching(/--egress-allow/) });
+      }
+      await expect(buildTemplate({ name: 'ok', from: '/nonexistent', run: ['true'], network: false, egressAllow: ['10.0.0.0/8'], dataDir: data, cacheDir: data })).rejects.toMatchObject({ code: 'bad_request', message: expect.stringMatching(/contradict/) });
       expect(readdirSync(data)).toEqual([]);
     } finally {
       rmSync(data, { recursive: true, force: true });
@@ -228,6 +242,8 @@ describe.skipIf(missing !== undefined)('a hostile template source and --run step
       const attempts = [
         // Through the proxy (http_proxy is set for steps): refused by address, by name, mapped.
         `http://127.0.0.1:${lp}/`, `http://localhost:${lp}/`, `http://[::ffff:127.0.0.1]:${lp}/`, `http://${hostIp}:${ap}/`, 'http://169.254.169.254/latest/meta-data/',
+        // A private network (the build host's LAN) without --egress-allow for it.
+        'http://172.31.255.254/',
       ];
       const direct = [
         // Around the proxy: slirp's host alias (the host's loopback when unrestricted), the host, the metadata service.
@@ -240,7 +256,9 @@ describe.skipIf(missing !== undefined)('a hostile template source and --run step
         // An ordinary download works, and lands in the image.
         '/bin/busybox timeout 120 /bin/busybox wget -q -O /fetched http://deb.debian.org/debian/dists/bookworm/Release && /bin/busybox grep -q "^Origin: Debian" /fetched && echo FETCHED',
       ].join('\n');
-      const r = await buildTemplate({ name: 'egress', from: clean, run: [step], dataDir: data, cacheDir: cacheDir(), log: (m) => (lines.push(m), console.log(`[egress] ${m}`)) });
+      // Where a network reaches Debian through a mirror on its LAN, that is what --egress-allow is for.
+      const mirror = await lookup('deb.debian.org', { all: true }).then((r) => r.map((x) => x.address), () => []);
+      const r = await buildTemplate({ name: 'egress', from: clean, run: [step], egressAllow: mirror, dataDir: data, cacheDir: cacheDir(), log: (m) => (lines.push(m), console.log(`[egress] ${m}`)) });
       expect(r.cached).toBe(false);
       // What the step printed (the log also echoes the step's text, which names LEAK).
       const out = lines.filter((l) => l.startsWith('  | ')).join('\n');
@@ -250,6 +268,7 @@ describe.skipIf(missing !== undefined)('a hostile template source and --run step
       for (const u of direct) expect(out).toContain(`BLOCKED direct ${u}`);
       expect(out).toContain('FETCHED');
       expect(lines.join('\n')).toMatch(/egress: .*refused: 127\.0\.0\.1 is loopback/);
+      expect(lines.join('\n')).toMatch(/egress: .*refused: 172\.31\.255\.254 is on a private network/);
       expect(hits).toBe(0);
       // Without steps there is no NIC and no proxy at all; --offline steps get none either.
       const offline = await buildTemplate({ name: 'offline', from: clean, run: ['if /bin/busybox timeout 10 /bin/busybox wget -q -O /x http://deb.debian.org/; then echo ONLINE; else echo OFFLINE; fi; echo NET:$(/bin/busybox ls /sys/class/net)'], network: false, dataDir: data, cacheDir: cacheDir(), log: (m) => lines.push(m) });

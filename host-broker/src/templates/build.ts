@@ -29,7 +29,7 @@ import { chooseAccel } from '../vm/accel.ts';
 import { ensureGuestBase, withTemplateRoot, type GuestBase, type KernelChoice } from '../vm/guest-image.ts';
 import { QemuDriver } from '../vm/qemu-driver.ts';
 import { SnapshotStore } from '../vm/snapshot-store.ts';
-import { startEgressProxy, type EgressProxy } from './egress-proxy.ts';
+import { parseCidr, startEgressProxy, type EgressProxy } from './egress-proxy.ts';
 import { prepareSource, type SourceLayer } from './sources.ts';
 import { TemplateStore, validateTemplateName, DEFAULT_TEMPLATE, type TemplateManifest } from './store.ts';
 
@@ -66,6 +66,8 @@ export interface TemplateBuildOptions {
   timeoutMs?: number;
   /** false: --run steps get no network at all (default: through the egress proxy). */
   network?: boolean;
+  /** Private ranges (CIDR) the steps may reach through the egress proxy, e.g. a LAN mirror. */
+  egressAllow?: readonly string[];
   log?: (line: string) => void;
 }
 
@@ -171,6 +173,9 @@ export async function buildTemplate(o: TemplateBuildOptions): Promise<TemplateBu
   if (!Number.isInteger(cpus) || cpus < 1 || cpus > 16) throw new HutchError('bad_request', `--cpus ${cpus}: 1..16`);
 
   const network = o.network ?? true;
+  const egressAllow = o.egressAllow ?? [];
+  if (!network && egressAllow.length > 0) throw new HutchError('bad_request', `template ${name}: --egress-allow and --offline contradict each other`, { template: name });
+  for (const c of egressAllow) parseCidr(c);
   const store = new TemplateStore(o.dataDir);
   mkdirSync(join(store.root, 'by-id'), { recursive: true });
   let egress: EgressProxy | undefined;
@@ -225,7 +230,7 @@ export async function buildTemplate(o: TemplateBuildOptions): Promise<TemplateBu
     // Only steps need the network; a build without them boots no NIC at all.
     if (network && steps.length > 0) {
       egressDir = mkdtempSync(join(tmpdir(), 'hutch-egress-'));
-      egress = await startEgressProxy({ socketPath: join(egressDir, 'proxy.sock'), log });
+      egress = await startEgressProxy({ socketPath: join(egressDir, 'proxy.sock'), allow: egressAllow, log });
     }
     const vm = await driver.boot({
       id: `tpl-${id.slice(0, 8)}`,

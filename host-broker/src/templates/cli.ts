@@ -22,7 +22,10 @@ build options:
   --run 'STEP'      a shell step run as root inside a microVM booted from the image being built
                     (repeatable, in order). Steps reach the network through hutch's egress proxy
                     (http_proxy/https_proxy are set: apt-get, pip, curl, wget, git work; no DNS or
-                    raw sockets, and never this host's loopback, own addresses or link-local/metadata)
+                    raw sockets, and never this host's loopback, own addresses or link-local/metadata;
+                    private networks only with --egress-allow)
+  --egress-allow CIDR  a private range the steps may reach, such as a LAN mirror (repeatable;
+                    10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16, 100.64.0.0/10, fc00::/7 are closed)
   --offline         give the --run steps no network at all
   --env K=V         environment for the steps, the start command and every tenant command (repeatable)
   --workdir DIR     where the steps and the start command run (default /)
@@ -72,6 +75,7 @@ export async function templateMain(args: string[]): Promise<void> {
       kernel: { type: 'string' },
       force: { type: 'boolean', default: false },
       offline: { type: 'boolean', default: false },
+      'egress-allow': { type: 'string', multiple: true },
       json: { type: 'boolean', default: false },
       'data-dir': { type: 'string' },
     },
@@ -99,6 +103,7 @@ export async function templateMain(args: string[]): Promise<void> {
         ...(kernel ? { kernel } : {}),
         force: values.force,
         ...(values.offline ? { network: false } : {}),
+        ...(values['egress-allow'] ? { egressAllow: values['egress-allow'] } : {}),
         dataDir,
         cacheDir: cacheDir(),
         log: (l) => process.stderr.write(`template: ${l}\n`),

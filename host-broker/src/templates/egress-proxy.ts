@@ -10,6 +10,9 @@
  * resolved here, and a name with any address on loopback, link-local, multicast, the
  * unspecified network or one of this host's own interfaces is refused; the connection
  * then goes to the address that was checked, never to a second lookup of the name.
+ * Private networks (RFC 1918, CGNAT, IPv6 ULA) are refused too unless the operator allows
+ * a range (`--egress-allow CIDR`, say a LAN package mirror): a build host's LAN is where
+ * its fleet's Redis and brokers live.
  *
  * Bounded: a request head of at most 32 KiB read within 30 s, at most 64 connections at
  * once, idle connections dropped after 5 minutes; one request per plain-HTTP connection
@@ -19,9 +22,12 @@ import { lookup } from 'node:dns/promises';
 import { isIP, createConnection, createServer, type Server, type Socket } from 'node:net';
 import { networkInterfaces } from 'node:os';
 import { rmSync } from 'node:fs';
+import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 
 export interface EgressProxyOptions {
   socketPath: string;
+  /** Private ranges (CIDR) steps may reach, such as a LAN mirror; see parseCidr. */
+  allow?: readonly string[];
   log: (line: string) => void;
   maxConnections?: number;
   headTimeoutMs?: number;
@@ -49,18 +55,77 @@ const MAX_LOG_LINES = 200;
 /** fd00:ec2::254, EC2's metadata service over IPv6 (outside link-local, so named here). */
 const METADATA_V6 = 'fd000ec2000000000000000000000254';
 
+/** An address range: `bits` leading bits of `prefix` (32 for IPv4, 128 for IPv6). */
+export interface Cidr {
+  readonly family: 4 | 6;
+  readonly prefix: bigint;
+  readonly bits: number;
+  readonly text: string;
+}
+
+/** The address as an integer of its family's width, or undefined if it is not one. */
+function addressBits(address: string): { family: 4 | 6; value: bigint } | undefined {
+  const family = isIP(address);
+  if (family === 4) return { family, value: address.split('.').reduce((v, o) => (v << 8n) | BigInt(Number(o)), 0n) };
+  if (family === 6) {
+    const hex = expandV6(address.toLowerCase());
+    return hex === undefined ? undefined : { family, value: BigInt(`0x${hex}`) };
+  }
+  return undefined;
+}
+
+/** "10.1.0.0/16", "fd12::/16", or a bare address (a /32 or /128). Throws on anything else. */
+export function parseCidr(text: string): Cidr {
+  const [addr = '', len, extra] = text.split('/');
+  const a = addressBits(addr);
+  const width = a?.family === 4 ? 32 : 128;
+  const bits = len === undefined ? width : /^\d{1,3}$/.test(len) ? Number(len) : NaN;
+  if (!a || extra !== undefined || !(bits >= 0 && bits <= width)) {
+    throw new HutchError('bad_request', `--egress-allow ${JSON.stringify(text)}: expected an address range such as 10.1.0.0/16 or fd12::/16`);
+  }
+  const mask = ((1n << BigInt(bits)) - 1n) << BigInt(width - bits);
+  return { family: a.family, prefix: a.value & mask, bits, text };
+}
+
+function inCidr(address: string, c: Cidr): boolean {
+  const a = addressBits(address);
+  if (!a || a.family !== c.family) return false;
+  const width = c.family === 4 ? 32 : 128;
+  return a.value >> BigInt(width - c.bits) === c.prefix >> BigInt(width - c.bits);
+}
+
+const PRIVATE: readonly Cidr[] = ['10.0.0.0/8', '172.16.0.0/12', '192.168.0.0/16', '100.64.0.0/10', 'fc00::/7'].map(parseCidr);
+
 /** Why a destination address is refused, or undefined when it may be reached. */
-export function refusalFor(address: string, own: ReadonlySet<string> = ownAddresses()): string | undefined {
+export function refusalFor(address: string, own: ReadonlySet<string> = ownAddresses(), allow: readonly Cidr[] = []): string | undefined {
+  const hard = hardRefusal(address, own);
+  if (hard) return hard;
+  const bare = unmapped(address);
+  if (PRIVATE.some((c) => inCidr(bare, c)) && !allow.some((c) => inCidr(bare, c))) return 'on a private network (allow a range with --egress-allow CIDR)';
+  return undefined;
+}
+
+/** An IPv4-mapped IPv6 address (::ffff:10.0.0.1 or ::ffff:a00:1) as the IPv4 it maps; others as given. */
+function unmapped(address: string): string {
+  if (isIP(address) !== 6) return address;
+  const dotted = /^::ffff:(\d+\.\d+\.\d+\.\d+)$/i.exec(address);
+  if (dotted) return dotted[1]!;
+  const hex = expandV6(address.toLowerCase());
+  if (hex === undefined || !/^0{20}ffff/.test(hex)) return address;
+  return hex.slice(24).match(/../g)!.map((h) => parseInt(h, 16)).join('.');
+}
+
+/** What no --egress-allow opens: this host, link-local and metadata, multicast, reserved. */
+function hardRefusal(address: string, own: ReadonlySet<string>): string | undefined {
   const family = isIP(address);
   if (family === 0) return 'not an IP address';
   let a = address.toLowerCase();
   if (family === 6) {
-    const mapped = /^::ffff:(\d+\.\d+\.\d+\.\d+)$/.exec(a);
-    if (mapped) return refusalFor(mapped[1]!, own);
+    // An IPv4-mapped address (::ffff:127.0.0.1, ::ffff:7f00:1) is the IPv4 address it maps.
+    const v4 = unmapped(a);
+    if (v4 !== a) return hardRefusal(v4, own);
     const v6 = expandV6(a);
     if (v6 === undefined) return 'not an IP address';
-    // IPv4-mapped in hex (::ffff:7f00:1) is the IPv4 address it maps.
-    if (/^0{20}ffff/.test(v6)) return refusalFor(v6.slice(24).match(/../g)!.map((h) => parseInt(h, 16)).join('.'), own);
     if (/^0{28}0{3}[01]$/.test(v6)) return v6.endsWith('1') ? 'loopback' : 'unspecified address';
     if (/^fe[89ab]/.test(v6)) return 'link-local';
     if (v6 === METADATA_V6) return 'a cloud metadata service (EC2 over IPv6)';
@@ -154,6 +219,7 @@ export async function startEgressProxy(o: EgressProxyOptions): Promise<EgressPro
   const maxConnections = o.maxConnections ?? 64;
   const headTimeoutMs = o.headTimeoutMs ?? 30_000;
   const idleTimeoutMs = o.idleTimeoutMs ?? 5 * 60_000;
+  const allow = (o.allow ?? []).map(parseCidr);
   const stats: EgressStats = { allowed: 0, refused: 0, failed: 0, bytesIn: 0, bytesOut: 0 };
   const sockets = new Set<Socket>();
   let logged = 0;
@@ -180,7 +246,7 @@ export async function startEgressProxy(o: EgressProxyOptions): Promise<EgressPro
     }
     const own = ownAddresses();
     for (const addr of addresses) {
-      const why = refusalFor(addr, own);
+      const why = refusalFor(addr, own, allow);
       if (why) throw new ProxyRefusal(403, `${target.host}:${target.port} is refused: ${addr} is ${why}`);
     }
     const address = addresses[0];
