@@ -262,6 +262,12 @@ export async function startEgressProxy(o: EgressProxyOptions): Promise<EgressPro
       upstream.destroy();
       throw err;
     });
+    // A hang-up while the client is paused only shows once it resumes (and then closes the
+    // upstream below); a client destroyed by an error meanwhile would leave this upstream open.
+    if (client.destroyed) {
+      upstream.destroy();
+      return;
+    }
     stats.allowed++;
     note(`${target.head ? 'GET-style' : 'CONNECT'} ${target.host}:${target.port} via ${address}`);
     if (target.head) {
