@@ -111,7 +111,28 @@ describe('never lose a call (real VMs)', { tags: ['vm'] }, () => {
     expect(pid).toBeDefined();
     process.kill(pid as number, 'SIGSTOP');
     await sb.close(); // bounded: the grace, then the VM is stopped under the call
+    // Frozen in the wake (cancelled with it) or in the command (cancelled, or the stopped VM fails it).
     expect(['cancelled', 'guest_crashed', 'guest_unresponsive']).toContain(await call);
+    expect(qemuPids(join(b.dataDir, 'vms', sb.id))).toEqual([]);
+  }, 300_000);
+
+  it('close() while the VM is still waking (frozen before its agent said hello): the call is cancelled, not left to a handshake timeout', async () => {
+    const sb = await hutch.create({ workspace: { files: { 'x': '' } } });
+    const call = sb.run('true', { route: 'vm' }).then(
+      () => 'resolved',
+      (e: unknown) => (e instanceof HutchError ? `${e.code}: ${e.message}` : 'untyped'),
+    );
+    // Freeze QEMU the moment it exists: its guest can never finish the wake.
+    let pid: number | undefined;
+    for (let i = 0; i < 1500 && pid === undefined; i++) {
+      pid = qemuPids(join(b.dataDir, 'vms', sb.id))[0];
+      if (pid === undefined) await new Promise((r) => setTimeout(r, 20));
+    }
+    expect(pid).toBeDefined();
+    process.kill(pid as number, 'SIGSTOP');
+    await sb.close();
+    // Before: the wake waited out the agent handshake (60 s) and the call failed with `timeout`.
+    expect(await call).toMatch(/^cancelled: .*closed while its VM was waking/);
     expect(qemuPids(join(b.dataDir, 'vms', sb.id))).toEqual([]);
   }, 300_000);
 

@@ -49,6 +49,8 @@ export class SandboxLifecycle {
   private sandbox: Sandbox | undefined;
   /** A sandbox being released: its exit is expected, not a crash. */
   private retiring: Sandbox | undefined;
+  /** Set while a VM is being started: close() calls it so a wake stuck on a wedged guest ends now. */
+  private cancelWake: (() => void) | undefined;
   private releaseMemory: (() => void) | undefined;
   private idleTimer: NodeJS.Timeout | undefined;
   private readonly lock = new SerialQueue();
@@ -160,6 +162,9 @@ export class SandboxLifecycle {
   async close(graceMs = CLOSE_GRACE_MS): Promise<void> {
     this.closed = true;
     this.cancelIdle();
+    // A wake in progress holds the lock and has no sandbox yet to stop: end it (its VM is
+    // abandoned) instead of waiting out its deadline for a guest that may never answer.
+    this.cancelWake?.();
     const dropped = this.lock.run(async () => {
       await this.drop('session closed');
     });
@@ -234,9 +239,11 @@ export class SandboxLifecycle {
       try {
         return await this.startWithin({ from: slot });
       } catch (err) {
+        if (this.closed) throw err;
         this.log.error('vm.slot_restore_failed', { slot: slot?.dir, error: (err as Error).message });
       }
     }
+    if (this.closed) throw new HutchError('cancelled', `session ${this.spec.session} closed while its VM was waking`, { session: this.spec.session });
     if (candidates.length) this.log.error('vm.slot_state_lost', { session: this.spec.session, note: 'no snapshot slot restored; starting from the pristine snapshot (changes outside /work and /tmp are lost)' });
     return this.startWithin({ coldBoot: this.opts.policy.wake === 'cold-boot' });
   }
@@ -254,10 +261,19 @@ export class SandboxLifecycle {
       timer = setTimeout(() => resolve(undefined), limit);
       timer.unref();
     });
-    const r = await Promise.race([started.then((v) => ({ v })), expired]).finally(() => clearTimeout(timer));
-    if (r) return r.v;
+    const cancelled = new Promise<'cancelled'>((resolve) => (this.cancelWake = () => resolve('cancelled')));
+    if (this.closed) this.cancelWake?.();
+    const r = await Promise.race([started.then((v) => ({ v })), expired, cancelled]).finally(() => {
+      clearTimeout(timer);
+      this.cancelWake = undefined;
+    });
+    if (r && r !== 'cancelled') return r.v;
     started.then((late) => late.sandbox.close(), () => undefined).catch(() => undefined);
     await this.backend.abandon?.(this.spec).catch(() => undefined);
+    if (r === 'cancelled') {
+      this.log.warn('vm.wake_cancelled', { session: this.spec.session });
+      throw new HutchError('cancelled', `session ${this.spec.session} closed while its VM was waking; the VM was stopped, the host workspace is unchanged`, { session: this.spec.session });
+    }
     this.log.error('vm.wake_deadline', { session: this.spec.session, limitMs: limit, from: opts.from ? 'slot' : opts.coldBoot ? 'cold boot' : 'pristine' });
     throw new HutchError('guest_unresponsive', `waking the VM of session ${this.spec.session} took longer than ${limit} ms; it was stopped, the host workspace is unchanged`, { session: this.spec.session, limitMs: limit });
   }
