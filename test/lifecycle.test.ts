@@ -8,6 +8,7 @@ import { Hutch } from '../host-broker/src/sdk/index.ts';
 import { qemuPids } from '../host-broker/src/vm/qemu-driver.ts';
 import { loadSessions, prepareWorkspace, replayBare, replayCall, treeDigest } from '../bench/lib/sessions.ts';
 import { startBroker, type TestBroker } from './helpers/broker.ts';
+import { waitFor } from './helpers/wait-for.ts';
 
 /** End to end through the SDK and WebSocket with real VMs (qemu backend, TCG here). */
 describe('sandbox lifecycle with real VMs', { tags: ['vm'] }, () => {
@@ -158,11 +159,3 @@ describe('broker restart', { tags: ['vm'] }, () => {
     expect(lines.length).toBe(20);
   }, 700_000);
 });
-
-async function waitFor(pred: () => Promise<boolean>, timeoutMs = 120_000): Promise<void> {
-  const deadline = Date.now() + timeoutMs;
-  while (!(await pred())) {
-    if (Date.now() > deadline) throw new Error('condition not reached in time');
-    await new Promise((r) => setTimeout(r, 200));
-  }
-}

@@ -116,4 +116,20 @@ describe('hutch serve for a supervisor', () => {
     expect(stderr).toMatch(/unavailable: .* is not in the cache .* building is off \(--no-build\): run \.\/hutch setup/);
     expect(builtArtifacts(cache)).toEqual([]);
   }, 120_000);
+
+  it('--standby takes 0 to 16 standby VMs; anything else is refused before any work, and --help says what it costs', async () => {
+    for (const bad of ['abc', '17', '1.5', '-1']) {
+      const cache = mkdtempSync(join(work, 'cache-'));
+      const s = startServe(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', 'serve', '--port', '0', '--token', token, '--data-dir', join(work, 'data-sb'), `--standby=${bad}`, '--log-level', 'error'], cache);
+      const code = await s.exited;
+      const { stdout, stderr } = s.out();
+      expect(code, stderr).not.toBe(0);
+      expect(stdout).toBe('');
+      expect(stderr).toContain(`--standby must be a whole number from 0 to 16, got "${bad}"`);
+      expect(builtArtifacts(cache)).toEqual([]);
+    }
+    const help = startServe(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', 'serve', '--help'], mkdtempSync(join(work, 'cache-')));
+    expect(await help.exited).toBe(0);
+    expect(help.out().stdout).toMatch(/--standby N\s+VMs kept restored and warmed for the next wake \(default 1; 0 = none;/);
+  }, 120_000);
 });

@@ -1,5 +1,5 @@
 import { afterEach, describe, expect, it } from 'vitest';
-import { mkdirSync, mkdtempSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { startAgent, type AgentProcess } from './helpers/agent-process.ts';
@@ -96,5 +96,37 @@ describe('a fresh push records its own sync marker', () => {
     writeFileSync(join(host, 'b.txt'), 'y');
     const m = new WorkspaceMirror(new Workspace(host));
     expect((await m.push(agent.client)).marker).toBeUndefined();
+  });
+
+  it('files land in place (no temporary names) with the host\'s content, mode and mtime; a name met twice takes the general path and the record still holds', async () => {
+    agent = await startAgent();
+    const b = (x: string) => Buffer.from(x);
+    const mtimeMs = Date.UTC(2024, 0, 2, 3, 4, 5, 678);
+    const r = await agent.client.syncApply(
+      [
+        // The file first: its parent is created on the way, so the mkdir after it finds the name taken.
+        { op: 'write', path: b('p/q.txt'), mode: 0o640, mtimeMs, data: b('content of q') },
+        { op: 'mkdir', path: b('p'), mode: 0o751 },
+        { op: 'write', path: b('x.sh'), mode: 0o755, mtimeMs, data: b('#!/bin/sh\n') },
+        // Written twice in one push: the second lands over the first (atomically, by the general path).
+        { op: 'write', path: b('twice.txt'), mode: 0o644, data: b('one') },
+        { op: 'write', path: b('twice.txt'), mode: 0o600, data: b('two') },
+      ],
+      { fresh: true, mark: true },
+    );
+    expect(r.failed).toEqual([]);
+    expect(r.markedBy).toBe('recorded');
+    expect(readFileSync(join(agent.root, 'p/q.txt'), 'utf8')).toBe('content of q');
+    expect(readFileSync(join(agent.root, 'twice.txt'), 'utf8')).toBe('two');
+    const st = statSync(join(agent.root, 'p/q.txt'));
+    expect(st.mode & 0o7777).toBe(0o640);
+    expect(Math.round(st.mtimeMs)).toBe(mtimeMs);
+    expect(statSync(join(agent.root, 'p')).mode & 0o7777).toBe(0o751);
+    expect(statSync(join(agent.root, 'x.sh')).mode & 0o7777).toBe(0o755);
+    expect(statSync(join(agent.root, 'twice.txt')).mode & 0o7777).toBe(0o600);
+    expect(readdirSync(agent.root).sort()).toEqual(['p', 'twice.txt', 'x.sh']);
+    // The record is what a scan finds: nothing comes back as changed.
+    expect(r.entries).toBe(4);
+    expect(await changed(agent.client, r.marker as string)).toEqual([]);
   });
 });

@@ -4,14 +4,8 @@ import { join } from 'node:path';
 import type { Hutch } from '../host-broker/src/sdk/index.ts';
 import { startBroker, type TestBroker } from './helpers/broker.ts';
 import { countEntries } from './helpers/tree-digest.ts';
+import { waitFor } from './helpers/wait-for.ts';
 
-async function waitFor(pred: () => Promise<boolean>, timeoutMs = 120_000): Promise<void> {
-  const deadline = Date.now() + timeoutMs;
-  while (!(await pred())) {
-    if (Date.now() > deadline) throw new Error('condition not reached in time');
-    await new Promise((r) => setTimeout(r, 200));
-  }
-}
 
 /** Issue 11 item 3 through the whole stack: a real broker, real VMs, the guest's files pulled back. */
 describe('workspace sync with real VMs', { tags: ['vm'] }, () => {

@@ -23,6 +23,9 @@ import type { ClusterOptions } from './catalog/member.ts';
 import { templateMain } from './templates/cli.ts';
 import { defaultDataDir } from './templates/store.ts';
 
+/** One VM restored and warmed ahead of the next wake: about a restored idle VM's memory, for wakes at a fraction of their cold cost. */
+export const DEFAULT_STANDBY = 1;
+
 const HELP = `hutch: sandboxes for AI agents, packed densely on one host
 
 usage:
@@ -66,6 +69,8 @@ serve options:
                     (damon zswap mglru activationSet reclaim hotSetLast prefetch reporting dropCaches)
   --log-level L     debug | info | warn | error (default info)
   --no-build        use the cached guest image only: fail clearly instead of building it
+  --standby N       VMs kept restored and warmed for the next wake (default ${DEFAULT_STANDBY}; 0 = none;
+                    each costs about one idle VM's memory)
   --ready-fd N      when listening, write one JSON line {"url","port",...} to file descriptor N and close it
   --ready-json      print that JSON line on stdout instead of the human-readable line
   -h, --help        this text
@@ -96,6 +101,8 @@ export interface ServeOptions {
   quota?: { bytes: number; files: number };
   /** A broker behind gateways (catalog registration, /load, the gateway credential). */
   cluster?: ClusterOptions;
+  /** Standby VMs kept warm for the next wake (qemu backend; default DEFAULT_STANDBY, 0 for none). */
+  standby?: number;
 }
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
@@ -106,6 +113,7 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     log: o.log,
     dataDir: o.dataDir,
     fastPath,
+    standby: o.standby ?? DEFAULT_STANDBY,
     ...(o.noBuild ? { noBuild: true } : {}),
     ...(o.acknowledgeUnsafeLocal ? { acknowledgeUnsafeLocal: true } : {}),
   }).catch(async (err: unknown) => {
@@ -211,6 +219,7 @@ async function main(): Promise<void> {
       'memory-steps': { type: 'string' },
       'log-level': { type: 'string' },
       'no-build': { type: 'boolean', default: false },
+      standby: { type: 'string' },
       'ready-fd': { type: 'string' },
       'ready-json': { type: 'boolean', default: false },
       help: { type: 'boolean', short: 'h' },
@@ -245,6 +254,7 @@ async function main(): Promise<void> {
     ...(values['metrics-port'] !== undefined ? { metricsListen: { host: values['metrics-host'], port: Number(values['metrics-port']) } } : {}),
     policyLevel: values.level ?? '4',
     ...(values['no-build'] ? { noBuild: true } : {}),
+    ...(values.standby !== undefined ? { standby: nonNegativeInt('--standby', values.standby, 16) } : {}),
     policy: { ...policyFromFlags(values.level, values['idle-ms'], values['idle-policy']), ...(values['memory-steps'] !== undefined ? { memoryPolicy: parseMemorySteps(values['memory-steps']) } : {}) },
     quota: {
       bytes: values['quota-bytes'] !== undefined ? positiveInt('--quota-bytes', values['quota-bytes']) : DEFAULT_QUOTA.bytes,
@@ -290,6 +300,12 @@ function readTokensFile(path: string): string {
 function positiveInt(flag: string, v: string): number {
   const n = Number(v);
   if (!Number.isInteger(n) || n <= 0) throw new HutchError('bad_request', `${flag} must be a whole number > 0, got ${JSON.stringify(v)}`);
+  return n;
+}
+
+function nonNegativeInt(flag: string, v: string, max: number): number {
+  const n = Number(v);
+  if (!Number.isInteger(n) || n < 0 || n > max) throw new HutchError('bad_request', `${flag} must be a whole number from 0 to ${max}, got ${JSON.stringify(v)}`);
   return n;
 }
 

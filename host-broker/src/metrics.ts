@@ -34,7 +34,7 @@ const MAX_COMM_LABELS = 12;
  * never session ids, so the series count does not grow with tenants.
  */
 /** Wake phases in the order they end (resume overlaps the push). */
-const WAKE_PHASES = ['restore', 'channel', 'push', 'resume', 'mark'] as const;
+const WAKE_PHASES = ['standby', 'restore', 'channel', 'push', 'resume', 'mark'] as const;
 
 export class BrokerMetrics {
   readonly registry = new Registry();

@@ -5,6 +5,7 @@ import { randomBytes } from 'node:crypto';
 import { createLogger } from '../../guest-agent/src/log.ts';
 import { Broker } from '../../host-broker/src/broker.ts';
 import { createBackend } from '../../host-broker/src/backends/registry.ts';
+import type { VmBackend } from '../../host-broker/src/backends/backend.ts';
 import { createFastPath } from '../../host-broker/src/tools/fastpath-factory.ts';
 import { Hutch } from '../../host-broker/src/sdk/index.ts';
 import type { SandboxPolicy } from '../../host-broker/src/policy/sandbox-policy.ts';
@@ -12,6 +13,7 @@ import type { WsLimits } from '../../host-broker/src/api/ws-server.ts';
 
 export interface TestBroker {
   broker: Broker;
+  backend: VmBackend;
   url: string;
   token: string;
   dataDir: string;
@@ -36,13 +38,15 @@ export async function startBroker(
     metricsListen?: { host: string; port: number };
     /** The broker's workspace quota per session. */
     quota?: { bytes: number; files: number };
+    /** qemu: standby VMs kept warm (default none in tests, so VM counts stay what each test starts). */
+    standby?: number;
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
   const token = randomBytes(12).toString('hex');
   const log = createLogger({ name: 'hutch-broker', level: 'warn' });
   const fastPath = await createFastPath(log);
-  const backend = await createBackend(o.backend ?? 'unsafe-local', { log, dataDir, fastPath, acknowledgeUnsafeLocal: true });
+  const backend = await createBackend(o.backend ?? 'unsafe-local', { log, dataDir, fastPath, acknowledgeUnsafeLocal: true, ...(o.standby !== undefined ? { standby: o.standby } : {}) });
   const broker = new Broker({
     port: 0,
     token,
@@ -64,6 +68,7 @@ export async function startBroker(
   const clients: Hutch[] = [];
   return {
     broker,
+    backend,
     url,
     token,
     dataDir,

@@ -1,4 +1,4 @@
-import { constants, fchmodSync, fchownSync, lchownSync, lstatSync, readdirSync, symlinkSync, type BigIntStats, type promises as fsp } from 'node:fs';
+import { constants, fchmodSync, fchownSync, fstatSync, fsyncSync, futimesSync, lchownSync, lstatSync, openSync, readdirSync, symlinkSync, writeSync, type BigIntStats, type promises as fsp } from 'node:fs';
 import { randomBytes } from 'node:crypto';
 import { HutchError, toHutchError } from '../protocol/errors.ts';
 import { encodeFrame } from '../protocol/frame-codec.ts';
@@ -93,9 +93,10 @@ export class WorkspaceSync {
         // Small writes are synchronous: let the connection's other traffic (heartbeats) through now and then.
         if (index > 0 && index % APPLY_YIELD_EVERY === 0) await new Promise((r) => setImmediate(r));
         try {
-          await this.applyOne(parents, c, content);
+          const st = this.recording ? this.applyIntoEmpty(parents, c, content) : undefined;
+          if (st === undefined) await this.applyOne(parents, c, content);
           applied++;
-          if (this.recording) this.record(parents, c);
+          if (this.recording) this.record(parents, c, st);
         } catch (err) {
           const e = toHutchError(err, { path: nameFromBytes(c.path) });
           failed.push({ index, path: c.path, code: e.code, message: e.message });
@@ -113,16 +114,77 @@ export class WorkspaceSync {
     return { applied, failed, ...(await this.mark()), markedBy: 'scan' };
   }
 
-  /** Records an applied entry as scan() would see it; one it would not see as pushed drops the record. */
-  private record(parents: SyncParentCache, c: SyncChange): void {
+  /**
+   * A fresh push into a /work that was empty when it began (recording): nothing can be in
+   * the way (no tenant process runs before the wake ends, and entries come parents first,
+   * each once), so a file is created in place with O_EXCL instead of through a temporary
+   * name and a rename, and its fstat is the record. Under TCG each syscall a wake saves
+   * counts. Returns undefined when the entry takes the general path (anything else, or a
+   * name that exists after all).
+   */
+  private applyIntoEmpty(parents: SyncParentCache, c: SyncChange, content: ContentSource): BigIntStats | undefined {
+    if (c.op !== 'write' && c.op !== 'mkdir') return undefined;
+    if (c.op === 'write' && c.data === undefined) return undefined;
+    const parts = splitSyncPath(c.path);
+    const name = parts[parts.length - 1] as Buffer;
+    if (isAtomicTempName(nameFromBytes(name))) return undefined;
+    const owner = this.opts.owner;
+    const dir = parents.get(parts, { owner });
+    if (dir === undefined) return undefined;
+    if (c.op === 'mkdir') {
+      try {
+        mkdirAt(dir, name, 0o700);
+      } catch (err) {
+        if ((err as NodeJS.ErrnoException).code === 'EEXIST') return undefined;
+        throw err;
+      }
+      const fd = openDirAt(dir, name);
+      try {
+        fchmodSync(fd, c.mode);
+        if (owner) fchownSync(fd, owner.uid, owner.gid);
+        return fstatSync(fd, { bigint: true });
+      } finally {
+        closeQuietly(fd);
+      }
+    }
+    const data = content(c) as Uint8Array;
+    let fd: number;
+    try {
+      fd = openSync(at(dir, name), constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL | constants.O_NOFOLLOW, c.mode & 0o7777);
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code === 'EEXIST') return undefined;
+      throw err;
+    }
+    try {
+      for (let off = 0; off < data.length; ) off += writeSync(fd, data, off, data.length - off);
+      fchmodSync(fd, c.mode & 0o7777);
+      if (owner) fchownSync(fd, owner.uid, owner.gid);
+      if (c.mtimeMs !== undefined) futimesSync(fd, new Date(), new Date(c.mtimeMs));
+      if (this.opts.durable) fsyncSync(fd);
+      return fstatSync(fd, { bigint: true });
+    } catch (err) {
+      // Never leave a half-written file under the real name.
+      try {
+        unlinkAt(dir, name);
+      } catch {
+        // already gone
+      }
+      throw err;
+    } finally {
+      closeQuietly(fd);
+    }
+  }
+
+  /** Records an applied entry as scan() would see it (`stat`: its fstat, taken when it was created); one it would not see as pushed drops the record. */
+  private record(parents: SyncParentCache, c: SyncChange, stat?: BigIntStats): void {
     const m = this.recording as Manifest;
     const parts = splitSyncPath(c.path);
     if (c.op === 'delete' || c.op === 'chmod' || parts.some((p) => isAtomicTempName(nameFromBytes(p)))) {
       this.recording = null;
       return;
     }
-    const dir = parents.get(parts);
-    const st = dir === undefined ? undefined : lstatSync(at(dir, parts[parts.length - 1] as Buffer), { bigint: true, throwIfNoEntry: false });
+    const dir = stat ? undefined : parents.get(parts);
+    const st = stat ?? (dir === undefined ? undefined : lstatSync(at(dir, parts[parts.length - 1] as Buffer), { bigint: true, throwIfNoEntry: false }));
     const kind = st?.isFile() ? 'file' : st?.isDirectory() ? 'dir' : st?.isSymbolicLink() ? 'symlink' : undefined;
     if (!st || kind !== (c.op === 'write' ? 'file' : c.op === 'mkdir' ? 'dir' : 'symlink')) {
       this.recording = null;

@@ -172,8 +172,9 @@ export const CallTimingSchema = z.object({
   /** Time spent waiting for admission (queued behind other wakes / VM calls). */
   queuedMs: z.number().optional(),
   /**
-   * Where a wake's time went, ms from the wake's start to the end of each phase: restore
-   * (QEMU up, snapshot loaded), channel (agent handshake), push (workspace in), resume
+   * Where a wake's time went, ms from the wake's start to the end of each phase: standby
+   * (a VM restored and warmed ahead of time was taken: no restore, no channel), or restore
+   * (QEMU up, snapshot loaded) and channel (agent handshake); then push (workspace in), resume
    * (entropy and clock; runs beside the push), mark (the pull baseline).
    */
   wakePhases: z.record(z.string(), z.number()).optional(),

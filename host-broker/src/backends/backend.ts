@@ -50,6 +50,8 @@ export interface SlotRef {
   manifest: string;
   /** The pristine snapshot the slot's RAM was based on; a slot of another pristine cannot restore. */
   pristineKey: string;
+  /** The VM's swap disk at the snapshot (slots written before swap disks were saved have none). */
+  swap?: string;
 }
 
 export interface GuestState {

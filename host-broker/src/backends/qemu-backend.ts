@@ -21,6 +21,9 @@ import { ensureGuestImage, type KernelChoice, type ResolvedGuestImage } from '..
 import { cleanupOrphans } from '../vm/orphans.ts';
 import { QemuDriver, qemuPids } from '../vm/qemu-driver.ts';
 import { SnapshotStore } from '../vm/snapshot-store.ts';
+import { StandbyPool } from '../vm/standby-pool.ts';
+import { saveSwapDisk } from '../vm/swap-disk.ts';
+import { warmStandby } from '../vm/standby-warmup.ts';
 import { TemplateImages, type TemplateImage } from '../templates/images.ts';
 import type { Accel, Vm } from '../vm/vmm.ts';
 import type { GuestState, ReclaimInfo, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
@@ -39,7 +42,25 @@ export interface QemuBackendOptions {
   guestDeadAfterMs?: number;
   /** Use the cached guest image only (`hutch serve --no-build`). */
   noBuild?: boolean;
+  /**
+   * Standby VMs kept restored and warmed for the most recently woken template and size
+   * (`hutch serve --standby N`, default 1 there): a wake that takes one skips the restore,
+   * the channel and the guest's first run of the wake's code. 0 (the default here): none.
+   */
+  standby?: number;
+  /** A standby not taken within this many ms is stopped (default 10 minutes). */
+  standbyIdleMs?: number;
 }
+
+/** A VM restored from a pristine snapshot and warmed, waiting for a session (vm/standby-pool.ts). */
+interface StandbyVm {
+  vm: Vm;
+  agent: AgentClient;
+  readyAt: number;
+}
+
+/** Nice value of a standby VM while it is prepared and waits: it yields to VMs serving calls. */
+const STANDBY_NICENESS = 10;
 
 /** HOME of the tenant user inside the guest, as a path under the overlay's upper layer. */
 const GUEST_HOME = 'home/tenant/';
@@ -57,6 +78,12 @@ export class QemuBackend implements VmBackend {
   readonly accel: Accel;
   private readonly runRoot: string;
   private readonly sandboxes = new Set<QemuSandbox>();
+  /** VMs of wakes in progress, by session: abandon() stops them whatever their run dir. */
+  private readonly waking = new Map<string, Vm>();
+  readonly standby: StandbyPool<StandbyVm>;
+  /** What a standby key stands for: the template and size to restore. */
+  private readonly standbyKeys = new Map<string, { template: string | undefined; size: { memoryMiB: number; cpus: number; swapMiB: number } }>();
+  private standbyCount = 0;
 
   private constructor(
     private readonly opts: QemuBackendOptions,
@@ -68,6 +95,20 @@ export class QemuBackend implements VmBackend {
   ) {
     this.accel = accel;
     this.runRoot = join(opts.dataDir, 'vms');
+    this.standby = new StandbyPool<StandbyVm>({
+      size: opts.standby ?? 0,
+      idleMs: opts.standbyIdleMs ?? 600_000,
+      // A fill under way is usually the quicker way to a warm VM; past this, restore anew.
+      joinMs: 1_000 * this.deadlines.scale,
+      log: opts.log,
+      fill: (key) => this.fillStandby(key),
+      dispose: async (s) => {
+        s.agent.close();
+        await s.vm.destroy();
+      },
+      alive: (s) => s.vm.running && s.agent.connection.isOpen,
+      canFill: () => this.roomForStandby(),
+    });
   }
 
   static async create(opts: QemuBackendOptions): Promise<QemuBackend> {
@@ -106,20 +147,39 @@ export class QemuBackend implements VmBackend {
       throw new HutchError('unavailable', `snapshot slot ${from.dir} was taken from another pristine snapshot (${from.pristineKey}); it cannot be restored`, { slot: from.dir });
     }
     const vmSpec = { id: spec.session, dir: join(this.runRoot, spec.session), image: t.image, ...size };
-    const vm = opts.coldBoot && !from ? await this.driver.boot(vmSpec) : await this.driver.restore(vmSpec, { memory: pristine.memory, state: from ? from.state : pristine.state });
-    const restoreMs = performance.now() - t0;
-    const phases: Record<string, number> = { restore: Math.round(restoreMs) };
+    const phases: Record<string, number> = {};
     const phase = (name: string) => void (phases[name] = Math.round(performance.now() - t0));
-    let agent: AgentClient | undefined;
+    let standby: StandbyVm | undefined;
+    if (!from && !opts.coldBoot) {
+      this.standbyKeys.set(pristine.meta.key, { template: spec.template, size });
+      standby = await this.standby.take(pristine.meta.key);
+    }
+    let vm: Vm;
+    try {
+      if (standby) {
+        vm = standby.vm;
+        vm.setNiceness(0);
+        phase('standby');
+      } else {
+        vm = opts.coldBoot && !from ? await this.driver.boot(vmSpec) : await this.driver.restore(vmSpec, { memory: pristine.memory, state: from ? from.state : pristine.state, ...(from?.swap ? { swap: from.swap } : {}) });
+        phase('restore');
+      }
+    } catch (err) {
+      this.standby.replenish();
+      throw err;
+    }
+    const restoreMs = standby ? 0 : performance.now() - t0;
+    this.waking.set(spec.session, vm);
+    let agent: AgentClient | undefined = standby?.agent;
     try {
       // A cold-booted guest's agent waits for the broker's hello; its clock and RNG are fresh.
-      agent = await connectAgent(vm, {
+      agent ??= await connectAgent(vm, {
         timeoutMs: (opts.coldBoot ? 300_000 : 15_000) * this.deadlines.scale,
         log: this.opts.log,
         deadlines: this.deadlines,
         ...(this.deadAfterMs !== undefined ? { deadAfterMs: this.deadAfterMs } : {}),
       });
-      phase('channel');
+      if (!standby) phase('channel');
       // Entropy and the clock go first; the push runs while the guest sets its clock.
       // ...and /work is sized from the session's quota before the push fills it.
       const resumed = opts.coldBoot ? undefined : resumeGuest(agent, spec.quota).finally(() => phase('resume'));
@@ -144,8 +204,8 @@ export class QemuBackend implements VmBackend {
       // starts, and applies it only then (off the wake's path).
       sandbox.activate().catch((err: unknown) => this.opts.log.warn('vm.memory_policy_failed', { session: spec.session, error: (err as Error).message }));
       const wakeMs = performance.now() - t0;
-      const how = from ? 'slot-restore' : opts.coldBoot ? 'cold-boot' : 'pristine-restore';
-      this.opts.log.info('vm.woke', { session: spec.session, how, wakeMs: Math.round(wakeMs), phases, pushedFiles: pushed.files, pushedBytes: pushed.bytes, markedBy: pushed.marker?.markedBy ?? 'sync.mark', ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
+      const how = from ? 'slot-restore' : opts.coldBoot ? 'cold-boot' : standby ? 'standby' : 'pristine-restore';
+      this.opts.log.info('vm.woke', { session: spec.session, how, ...(standby ? { standby: vm.spec.id, standbyAgeMs: Math.round(Date.now() - standby.readyAt) } : {}), wakeMs: Math.round(wakeMs), phases, pushedFiles: pushed.files, pushedBytes: pushed.bytes, markedBy: pushed.marker?.markedBy ?? 'sync.mark', ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
       return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs, phases, ...(clock ? { clockErrorMs: clock.errorMs } : {}) } };
     } catch (err) {
       agent?.close();
@@ -156,10 +216,50 @@ export class QemuBackend implements VmBackend {
         throw new HutchError('guest_crashed', `the VM of session ${spec.session} died while waking; the host workspace is unchanged`, { session: spec.session });
       }
       throw err;
+    } finally {
+      this.waking.delete(spec.session);
+      // After the wake, not beside it: a standby for the next one.
+      this.standby.replenish();
     }
   }
 
+  /** Restores a VM from the key's pristine snapshot and warms it (vm/standby-warmup.ts), at low CPU priority. */
+  private async fillStandby(key: string): Promise<StandbyVm> {
+    const k = this.standbyKeys.get(key);
+    if (!k) throw new HutchError('internal', `no template is known for standby key ${key}`);
+    const t = this.template(k.template);
+    const pristine = await t.snapshots.pristine(t.image, k.size);
+    // The template was rebuilt since: its old snapshot is not what the next wake restores.
+    if (pristine.meta.key !== key) throw new HutchError('unavailable', `standby key ${key} is stale (the pristine snapshot is now ${pristine.meta.key})`);
+    const id = `standby-${++this.standbyCount}`;
+    const t0 = performance.now();
+    const vm = await this.driver.restore({ id, dir: join(this.runRoot, id), image: t.image, ...k.size, niceness: STANDBY_NICENESS }, { memory: pristine.memory, state: pristine.state });
+    let agent: AgentClient | undefined;
+    try {
+      agent = await connectAgent(vm, {
+        timeoutMs: 15_000 * this.deadlines.scale,
+        log: this.opts.log,
+        deadlines: this.deadlines,
+        ...(this.deadAfterMs !== undefined ? { deadAfterMs: this.deadAfterMs } : {}),
+      });
+      const warm = await warmStandby(agent, join(this.runRoot, `${id}.warm`), 60_000 * this.deadlines.scale);
+      this.opts.log.info('standby.ready', { vm: id, key, ms: Math.round(performance.now() - t0), warmMs: Math.round(warm.ms) });
+      return { vm, agent, readyAt: Date.now() };
+    } catch (err) {
+      agent?.close();
+      await vm.destroy();
+      throw err;
+    }
+  }
+
+  /** A standby may start while the host keeps room for a guest's full memory and 1 GiB besides. */
+  private roomForStandby(): boolean {
+    const largest = Math.max(0, ...[...this.standbyKeys.values()].map((k) => k.size.memoryMiB));
+    return availableMiB() >= largest + 1024;
+  }
+
   async abandon(spec: SandboxSpec): Promise<void> {
+    await this.waking.get(spec.session)?.destroy().catch(() => undefined);
     const dir = join(this.runRoot, spec.session);
     for (const pid of qemuPids(dir)) {
       try {
@@ -172,6 +272,7 @@ export class QemuBackend implements VmBackend {
   }
 
   async shutdown(): Promise<void> {
+    await this.standby.close();
     await Promise.all([...this.sandboxes].map((s) => s.close()));
     cleanupOrphans(this.runRoot, this.opts.log);
   }
@@ -332,13 +433,15 @@ class QemuSandbox implements Sandbox {
     // restores the same way whoever connects to it (connection.ts explains the epochs).
     await detachAgent(this.agent);
     const snap = await this.vm.snapshot(state);
+    // The RAM stream does not carry the swap disk: what the guest swapped out goes with the slot.
+    const swap = await saveSwapDisk(this.vm.spec.dir, dir);
     writeFileSync(manifest, manifestToJson(this.mirror.guestView ?? new Map()));
     // Durable before the slot becomes current: a crash must never leave a torn "last good" slot.
-    for (const f of [state, manifest]) fsyncPath(f);
+    for (const f of [state, manifest, ...(swap ? [swap.path] : [])]) fsyncPath(f);
     await this.vm.destroy();
     this.onClose();
-    const bytes = snap.stateBytes + statSync(manifest).size;
-    return { bytes, ms: performance.now() - t0, slot: { dir, state, manifest, pristineKey: this.pristineKey } };
+    const bytes = snap.stateBytes + statSync(manifest).size + (swap?.bytes ?? 0);
+    return { bytes, ms: performance.now() - t0, slot: { dir, state, manifest, pristineKey: this.pristineKey, ...(swap ? { swap: swap.path } : {}) } };
   }
 
   async close(): Promise<void> {
@@ -367,6 +470,12 @@ class QemuSandbox implements Sandbox {
       throw err;
     }
   }
+}
+
+/** MemAvailable of the host, MiB. */
+function availableMiB(): number {
+  const m = /^MemAvailable:\s+(\d+) kB/m.exec(readFileSync('/proc/meminfo', 'utf8'));
+  return m ? Number(m[1]) / 1024 : 0;
 }
 
 /** The guest clock after a restore may be off by the RPC's travel time, not by more. */

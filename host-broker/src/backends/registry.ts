@@ -21,6 +21,8 @@ export interface BackendDeps {
   kernel?: KernelChoice;
   /** Use the cached guest image only: a missing one is an `unavailable` error, not a build. */
   noBuild?: boolean;
+  /** qemu: standby VMs kept warm for the next wake (QemuBackendOptions.standby). */
+  standby?: number;
   /**
    * The operator's explicit acknowledgement that `unsafe-local` shares the host kernel
    * (the CLI's --i-know-unsafe-local); without it that backend refuses to start.
@@ -60,7 +62,7 @@ export async function createBackend(name: string | undefined, deps: BackendDeps)
             `For development only, --backend unsafe-local ${UNSAFE_LOCAL_ACK_FLAG} runs tenant commands on the host kernel in a bubblewrap sandbox instead.`,
         );
       }
-      return QemuBackend.create({ dataDir: deps.dataDir, cacheDir: deps.cacheDir ?? cacheDir(), log: deps.log, ...(deps.kernel ? { kernel: deps.kernel } : {}), ...(deps.noBuild ? { noBuild: true } : {}) });
+      return QemuBackend.create({ dataDir: deps.dataDir, cacheDir: deps.cacheDir ?? cacheDir(), log: deps.log, ...(deps.kernel ? { kernel: deps.kernel } : {}), ...(deps.noBuild ? { noBuild: true } : {}), ...(deps.standby !== undefined ? { standby: deps.standby } : {}) });
     case 'unsafe-local':
       if (!deps.acknowledgeUnsafeLocal) {
         throw new HutchError(

@@ -403,7 +403,8 @@ const DEFAULT_DISK_MIBPS = 280;
 
 function dirSize(slot: SlotRef): number {
   try {
-    return statSync(slot.state).size + statSync(slot.manifest).size;
+    // The swap disk is sparse: what it holds is its allocated blocks.
+    return statSync(slot.state).size + statSync(slot.manifest).size + (slot.swap ? statSync(slot.swap).blocks * 512 : 0);
   } catch {
     return 0;
   }

@@ -1,6 +1,7 @@
 import { existsSync, mkdirSync, readFileSync, renameSync, rmSync, writeFileSync, openSync, fsyncSync, closeSync } from 'node:fs';
 import { join } from 'node:path';
 import type { SlotRef } from '../backends/backend.ts';
+import { SWAP_FILE } from '../vm/swap-disk.ts';
 
 type SlotName = 'a' | 'b';
 
@@ -10,7 +11,7 @@ type SlotName = 'a' | 'b';
  * (an atomic rename). A write that fails or is cut short leaves the last good slot, and
  * the pointer to it, untouched.
  *
- *   <state>/slots/a/ , <state>/slots/b/    state.bin, manifest.json, slot.json
+ *   <state>/slots/a/ , <state>/slots/b/    state.bin, manifest.json, swap.img, slot.json
  *   <state>/slots/current                   "a" or "b"
  */
 export class SnapshotSlots {
@@ -85,7 +86,8 @@ export class SnapshotSlots {
     if (!existsSync(meta) || !existsSync(join(dir, 'state.bin')) || !existsSync(join(dir, 'manifest.json'))) return undefined;
     try {
       const m = JSON.parse(readFileSync(meta, 'utf8')) as { pristineKey: string };
-      return { dir, state: join(dir, 'state.bin'), manifest: join(dir, 'manifest.json'), pristineKey: m.pristineKey };
+      const swap = join(dir, SWAP_FILE);
+      return { dir, state: join(dir, 'state.bin'), manifest: join(dir, 'manifest.json'), pristineKey: m.pristineKey, ...(existsSync(swap) ? { swap } : {}) };
     } catch {
       return undefined;
     }

@@ -1,4 +1,5 @@
-import { closeSync, mkdirSync, openSync, ftruncateSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { mkdirSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { setPriority } from 'node:os';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
@@ -9,6 +10,7 @@ import { waitForSocket } from '../util/wait-for-socket.ts';
 import { QmpClient } from './qmp.ts';
 import { closeFd, guardedArgv, openGuardFilter } from './shared-ram-guard.ts';
 import { processMemory } from './smaps.ts';
+import { createSwapDisk, SWAP_FILE } from './swap-disk.ts';
 import type { Accel, MemoryBacking, SnapshotFiles, Vm, VmmDriver, VmSpec, VmStats } from './vmm.ts';
 import { DEFAULT_GUEST_CID, ensureVhostDeviceVsock, startVhostVsockBackend, validatePort, VHOST_USER_SOCKET_NAME, vsockSnapshotError, VSOCK_UDS_NAME, type VhostDeviceVsock } from './vsock.ts';
 
@@ -73,16 +75,20 @@ export class QemuDriver implements VmmDriver {
     const qmpPath = join(spec.dir, 'qmp.sock');
     const channelPath = join(spec.dir, vsock ? VSOCK_UDS_NAME : 'agent.sock');
     if (spec.swapMiB > 0) {
-      // Sparse: costs no disk until the guest swaps; each VM has its own.
-      const fd = openSync(join(spec.dir, 'swap.img'), 'w');
-      ftruncateSync(fd, spec.swapMiB * 1024 * 1024);
-      closeSync(fd);
+      try {
+        await createSwapDisk(spec.dir, spec.swapMiB, snap?.swap);
+      } catch (err) {
+        rmSync(spec.dir, { recursive: true, force: true });
+        throw err;
+      }
     }
     let argv = this.args(spec, memory, qmpPath, channelPath, snap !== undefined);
     // A private mapping of a shared memory file: keep QEMU from punching holes in it.
     const guardFd = memory !== undefined && !memory.shared ? openGuardFilter() : undefined;
     const guarded = guardFd !== undefined;
     if (guarded) argv = [...argv.slice(0, PDEATHSIG_PREFIX), ...guardedArgv(argv.slice(PDEATHSIG_PREFIX))];
+    // nice execs what follows in the same process, so pdeathsig and the pid stay as they were.
+    if (spec.niceness) argv = ['nice', '-n', String(spec.niceness), ...argv];
     const log = this.opts.log.child({ vm: spec.id });
     let backend: Daemon | undefined;
     if (vsock) {
@@ -170,7 +176,7 @@ export class QemuDriver implements VmmDriver {
       a.push('-drive', `id=disk${i},file=${d.file},format=raw,if=none${d.readonly ? ',readonly=on' : ',cache=unsafe'}`, '-device', `virtio-blk-device,drive=disk${i}`);
     });
     if (spec.swapMiB > 0) {
-      a.push('-drive', `id=swap,file=${join(spec.dir, 'swap.img')},format=raw,if=none,cache=unsafe,discard=unmap`, '-device', 'virtio-blk-device,drive=swap');
+      a.push('-drive', `id=swap,file=${join(spec.dir, SWAP_FILE)},format=raw,if=none,cache=unsafe,discard=unmap`, '-device', 'virtio-blk-device,drive=swap');
     }
     if (vsock) {
       // The guest CID comes from the backend (the device has no guest-cid property in QEMU 7.2).
@@ -286,6 +292,23 @@ class QemuVm implements Vm {
 
   async stats(): Promise<VmStats> {
     return processMemory(this.pid);
+  }
+
+  setNiceness(n: number): void {
+    // Nice values are per thread on Linux: set each of QEMU's (vCPU, I/O, main).
+    let tids: string[] = [];
+    try {
+      tids = readdirSync(`/proc/${this.qemuPid}/task`);
+    } catch {
+      return; // gone
+    }
+    for (const tid of tids) {
+      try {
+        setPriority(Number(tid), n);
+      } catch {
+        // a thread that ended meanwhile
+      }
+    }
   }
 
   async destroy(): Promise<void> {

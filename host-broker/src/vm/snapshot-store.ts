@@ -2,6 +2,7 @@ import { pidAlive } from '../../../build/cache.ts';
 import { createHash } from 'node:crypto';
 import { existsSync, mkdirSync, readdirSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { execFileSync } from 'node:child_process';
+import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { join } from 'node:path';
 import { tmpdir } from 'node:os';
 import { performance } from 'node:perf_hooks';
@@ -131,6 +132,11 @@ export class SnapshotStore {
         const bootMs = performance.now() - t0;
         // The agent answered: init is done (python preloaded, caches warm). Nothing runs now.
         await agent.call('ping', {}, { timeoutMs: 60_000 });
+        // Every restore gets an empty swap disk: a page swapped out now would read back as zeros in all of them.
+        const mem = (await agent.call('telemetry.sample', {}, { timeoutMs: 60_000 })).memory;
+        if (mem.swapUsedBytes > 0) {
+          throw new HutchError('unavailable', `the guest swapped ${mem.swapUsedBytes} bytes while it booted for the pristine snapshot (${size.memoryMiB} MiB); a snapshot of it would lose them: give the sandbox more memory`, { memoryMiB: size.memoryMiB });
+        }
         // Snapshot with no broker session in the guest: every restore then starts from an
         // agent waiting for its first broker, whoever built the snapshot.
         await detachAgent(agent);

@@ -55,6 +55,11 @@ export interface VmSpec {
    * a TCP port at `proxyAddress`, relayed per connection to `proxySocket` on the host.
    */
   egress?: { proxySocket: string; proxyAddress: string; proxyPort: number };
+  /**
+   * Start the VMM at this nice value (every thread inherits it): a standby VM being
+   * prepared yields the CPU to VMs serving calls. `Vm.setNiceness` changes it later.
+   */
+  niceness?: number;
 }
 
 export interface MemoryBacking {
@@ -68,6 +73,8 @@ export interface SnapshotFiles {
   memory: string;
   /** Device state written by QEMU's migration stream. */
   state: string;
+  /** The swap disk as it was at the snapshot (a slot's); a VM without one gets an empty disk. */
+  swap?: string;
 }
 
 export interface VmStats {
@@ -101,6 +108,8 @@ export interface Vm {
    */
   snapshot(stateFile: string): Promise<{ ms: number; stateBytes: number }>;
   stats(): Promise<VmStats>;
+  /** Sets the nice value of every VMM thread (a standby VM handed to a session goes back to 0). */
+  setNiceness(n: number): void;
   /** Kills the VMM and removes its runtime directory. */
   destroy(): Promise<void>;
 }

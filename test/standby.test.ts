@@ -1,0 +1,114 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { readdirSync } from 'node:fs';
+import { join } from 'node:path';
+import type { QemuBackend } from '../host-broker/src/backends/qemu-backend.ts';
+import { Hutch, type Sandbox } from '../host-broker/src/sdk/index.ts';
+import { qemuPids } from '../host-broker/src/vm/qemu-driver.ts';
+import { startBroker, type TestBroker } from './helpers/broker.ts';
+import { waitFor } from './helpers/wait-for.ts';
+
+/**
+ * Standby VMs (vm/standby-pool.ts): restored from the pristine snapshot and warmed before
+ * any session wants them. A wake that takes one must be indistinguishable to the tenant
+ * from a fresh restore (its own files only, nothing of the warm-up, fresh entropy, the
+ * host's clock, /work sized by its own quota), and a standby is never handed out twice.
+ */
+describe('standby VMs', { tags: ['vm'] }, () => {
+  let b: TestBroker;
+  let hutch: Hutch;
+  let backend: QemuBackend;
+  const QUOTA = { bytes: 96 * 1024 * 1024, files: 5000 };
+  beforeAll(async () => {
+    b = await startBroker({ backend: 'qemu', standby: 1, idleMs: 3_600_000, quota: QUOTA });
+    backend = b.backend as QemuBackend;
+    hutch = await b.connect();
+  }, 1_800_000);
+  afterAll(async () => {
+    await b?.stop();
+    // The pool's VMs go with the broker, ready or being filled.
+    expect(qemuPids(b.dataDir)).toEqual([]);
+  });
+
+  const standbyReady = () => waitFor(async () => backend.standby.stats().ready === 1, 300_000);
+  const released = (sb: Sandbox) => waitFor(async () => !(await hutch.sessions()).find((x) => x.session === sb.id)?.live, 120_000);
+  /** What a tenant can see of the guest beyond its workspace, and a sample of its entropy. */
+  const PROBE = 'ls -A /work; echo ---; ls -A ~; echo ---; ls -A /tmp; echo ---; head -c 16 /dev/urandom | od -An -tx1 | tr -d " \\n"; echo; date +%s%3N; df -k /work | tail -1';
+  const parse = (out: string) => {
+    const [work, home, tmp, rest] = out.split('---\n');
+    const [rand, now, df] = (rest ?? '').trim().split('\n');
+    return { work: work?.trim().split('\n').filter(Boolean), home: home?.trim(), tmp: tmp?.trim(), rand, now: Number(now), sizeKiB: Number(df?.trim().split(/\s+/)[1]) };
+  };
+
+  it('a wake takes the warmed standby; the tenant sees what a fresh restore shows: its files only, fresh entropy, the clock, its quota', async () => {
+    // The first wake of the broker finds no standby (pools fill after wakes, never beside them).
+    const a = await hutch.create({ workspace: { files: { 'a.txt': 'A\n' } } });
+    const ra = await a.run(PROBE, { route: 'vm' });
+    expect(ra.woke).toBe(true);
+    expect(ra.timing.wakePhases?.['standby']).toBeUndefined();
+    expect(ra.timing.wakePhases?.['restore']).toBeGreaterThan(0);
+    await standbyReady();
+
+    const bb = await hutch.create({ workspace: { files: { 'b.txt': 'B\n', 'dir/c.txt': 'C\n' } } });
+    const rb = await bb.run(PROBE, { route: 'vm' });
+    expect(rb.exitCode).toBe(0);
+    expect(rb.woke).toBe(true);
+    expect(rb.timing.wakePhases?.['standby']).toBeGreaterThanOrEqual(0);
+    expect(rb.timing.wakePhases?.['restore']).toBeUndefined();
+    const pa = parse(ra.stdout);
+    const pb = parse(rb.stdout);
+    // Its own workspace, nothing of the warm-up project or of session a.
+    expect(pb.work).toEqual(['b.txt', 'dir']);
+    // HOME and /tmp as a pristine restore has them.
+    expect(pb.home).toBe(pa.home);
+    expect(pb.tmp).toBe(pa.tmp);
+    // Reseeded at the take, not only when the standby was restored.
+    expect(pb.rand).toMatch(/^[0-9a-f]{32}$/);
+    expect(pb.rand).not.toBe(pa.rand);
+    expect(Math.abs(pb.now - Date.now())).toBeLessThan(5_000);
+    // /work sized from this session's quota (96 MiB), as after a restore.
+    expect(pb.sizeKiB).toBe(pa.sizeKiB);
+    expect(pb.sizeKiB).toBe(QUOTA.bytes / 1024);
+    // Both VMs live at once: two QEMU processes, no sharing.
+    expect((await bb.run('cat /work/a.txt', { route: 'vm' })).exitCode).not.toBe(0);
+
+    const metrics = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${b.token}` } })).text();
+    expect(metrics).toMatch(/hutch_wakes_total\{how="standby"\} 1/);
+    await a.close();
+    await bb.close();
+  }, 900_000);
+
+  it('a standby serves one session only: what a tenant leaves in /tmp is gone for the next one, whose VM is a new standby', async () => {
+    await standbyReady();
+    const a = await hutch.create({ workspace: { files: { 'x.txt': 'x\n' } } });
+    const ra = await a.run('echo secret-of-a > /tmp/left; cat /proc/sys/kernel/random/uuid', { route: 'vm' });
+    expect(ra.timing.wakePhases?.['standby']).toBeDefined();
+    await a.hint('idle');
+    await released(a);
+    await standbyReady();
+    const c = await hutch.create({ workspace: { files: { 'y.txt': 'y\n' } } });
+    const rc = await c.run('cat /tmp/left 2>&1; ls -A /work', { route: 'vm' });
+    expect(rc.timing.wakePhases?.['standby']).toBeDefined();
+    expect(rc.stdout).not.toContain('secret-of-a');
+    expect(rc.stdout).toContain('No such file');
+    expect(rc.stdout).toContain('y.txt');
+    await a.close();
+    await c.close();
+  }, 900_000);
+
+  it('a standby whose VM died is never handed out: the wake restores a VM of its own and the call succeeds', async () => {
+    await standbyReady();
+    const vms = join(b.dataDir, 'vms');
+    const standbyDirs = readdirSync(vms).filter((d) => d.startsWith('standby-'));
+    const pids = standbyDirs.flatMap((d) => qemuPids(join(vms, d)));
+    expect(pids.length).toBe(1);
+    process.kill(pids[0] as number, 'SIGKILL');
+    await waitFor(async () => qemuPids(join(vms, standbyDirs[0] as string)).length === 0, 10_000);
+    const s = await hutch.create({ workspace: { files: { 'z.txt': 'z\n' } } });
+    const r = await s.run('cat z.txt', { route: 'vm' });
+    expect(r.exitCode).toBe(0);
+    expect(r.stdout).toBe('z\n');
+    expect(r.timing.wakePhases?.['standby']).toBeUndefined();
+    expect(r.timing.wakePhases?.['restore']).toBeGreaterThan(0);
+    await s.close();
+  }, 900_000);
+});
