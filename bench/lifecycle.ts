@@ -76,7 +76,7 @@ async function released(sb: Sandbox, h: Hutch = hutch): Promise<void> {
 /** Median of each phase's end time over the wakes that reported it, in wake order. */
 function phaseMedians(samples: Array<Record<string, number>>): Record<string, number> {
   const out: Record<string, number> = {};
-  for (const k of ['standby', 'restore', 'channel', 'push', 'resume', 'mark']) {
+  for (const k of ['standby', 'restore', 'channel', 'push', 'resume', 'mark', 'exec']) {
     const v = samples.map((x) => x[k]).filter((x): x is number => x !== undefined);
     if (v.length) out[k] = round(median(v), 0);
   }

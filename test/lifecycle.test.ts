@@ -135,16 +135,19 @@ describe('broker restart', { tags: ['vm'] }, () => {
     const h1 = await Hutch.connect(await first.url, { token });
     const sb = await h1.create({ id: 'restart-me', workspace: { files: { 'f.txt': 'kept\n' } } });
     await sb.run('git config --global user.name x', { route: 'vm' });
-    expect(qemuPids(dataDir).length).toBe(1);
+    expect(qemuPids(join(dataDir, 'vms', 'restart-me')).length).toBe(1);
+    // hutch serve keeps a standby VM (--standby 1): after the wake it restores one.
+    await waitFor(async () => qemuPids(dataDir).length === 2, 60_000);
     first.p.kill('SIGKILL');
     await new Promise((r) => first.p.once('exit', r));
-    // The VM dies with its broker (parent-death signal), not later.
+    // The VMs die with their broker (parent-death signal), the standby too, not later.
     await waitFor(async () => qemuPids(dataDir).length === 0, 10_000);
     const second = start();
     const h2 = await Hutch.connect(await second.url, { token });
     const again = await h2.attach('restart-me');
     expect((await again.run('cat f.txt', { route: 'vm' })).stdout).toBe('kept\n');
-    expect(readdirSync(join(dataDir, 'vms'))).toEqual(['restart-me']);
+    // The killed broker's VM directories are gone; what is there now is this broker's.
+    expect(readdirSync(join(dataDir, 'vms')).filter((d) => !d.startsWith('standby-'))).toEqual(['restart-me']);
     h2.close();
     second.p.kill('SIGTERM');
     await new Promise((r) => second.p.once('exit', r));

@@ -54,6 +54,10 @@ describe('standby VMs', { tags: ['vm'] }, () => {
     expect(rb.woke).toBe(true);
     expect(rb.timing.wakePhases?.['standby']).toBeGreaterThanOrEqual(0);
     expect(rb.timing.wakePhases?.['restore']).toBeUndefined();
+    // The wake's last phase: the call handed to the guest, after the push and its marker.
+    const ph = rb.timing.wakePhases ?? {};
+    expect(ph['exec']).toBeGreaterThanOrEqual(ph['mark'] as number);
+    expect(ph['exec']).toBeLessThanOrEqual(rb.timing.totalMs);
     const pa = parse(ra.stdout);
     const pb = parse(rb.stdout);
     // Its own workspace, nothing of the warm-up project or of session a.
@@ -73,6 +77,7 @@ describe('standby VMs', { tags: ['vm'] }, () => {
 
     const metrics = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${b.token}` } })).text();
     expect(metrics).toMatch(/hutch_wakes_total\{how="standby"\} 1/);
+    expect(metrics).toMatch(/hutch_wake_phase_seconds_count\{phase="exec"\} 2/);
     await a.close();
     await bb.close();
   }, 900_000);

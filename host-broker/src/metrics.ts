@@ -34,7 +34,7 @@ const MAX_COMM_LABELS = 12;
  * never session ids, so the series count does not grow with tenants.
  */
 /** Wake phases in the order they end (resume overlaps the push). */
-const WAKE_PHASES = ['standby', 'restore', 'channel', 'push', 'resume', 'mark'] as const;
+const WAKE_PHASES = ['standby', 'restore', 'channel', 'push', 'resume', 'mark', 'exec'] as const;
 
 export class BrokerMetrics {
   readonly registry = new Registry();
@@ -43,7 +43,7 @@ export class BrokerMetrics {
   private readonly total = new Histogram({ name: 'hutch_call_seconds', help: 'Broker time per call', labelNames: ['route'], buckets: LATENCY_BUCKETS, registers: [this.registry] });
   private readonly queued = new Histogram({ name: 'hutch_call_queued_seconds', help: 'Time a VM call waited for admission', buckets: LATENCY_BUCKETS, registers: [this.registry] });
   readonly wakes = new Counter({ name: 'hutch_wakes_total', help: 'Sandbox wakes by how they came up', labelNames: ['how'], registers: [this.registry] });
-  readonly wakePhase = new Histogram({ name: 'hutch_wake_phase_seconds', help: 'Time in each phase of a wake (restore, channel, push, mark; resume runs beside the push and is measured from the wake start)', labelNames: ['phase'], buckets: LATENCY_BUCKETS, registers: [this.registry] });
+  readonly wakePhase = new Histogram({ name: 'hutch_wake_phase_seconds', help: 'Time in each phase of a wake (standby taken, or restore and channel; push, mark, exec: the call handed to the guest; resume runs beside the push and is measured from the wake start)', labelNames: ['phase'], buckets: LATENCY_BUCKETS, registers: [this.registry] });
   readonly wakeSeconds = new Histogram({ name: 'hutch_wake_seconds', help: 'Call arrival to a ready agent with the workspace pushed', labelNames: ['how'], buckets: LATENCY_BUCKETS, registers: [this.registry] });
   readonly releases = new Counter({ name: 'hutch_releases_total', help: 'Idle releases by decision', labelNames: ['decision'], registers: [this.registry] });
   readonly releaseSeconds = new Histogram({ name: 'hutch_release_seconds', help: 'Time to release an idle VM', labelNames: ['decision'], buckets: LATENCY_BUCKETS, registers: [this.registry] });

@@ -175,7 +175,8 @@ export const CallTimingSchema = z.object({
    * Where a wake's time went, ms from the wake's start to the end of each phase: standby
    * (a VM restored and warmed ahead of time was taken: no restore, no channel), or restore
    * (QEMU up, snapshot loaded) and channel (agent handshake); then push (workspace in), resume
-   * (entropy and clock; runs beside the push), mark (the pull baseline).
+   * (entropy and clock; runs beside the push), mark (the pull baseline), exec (the call
+   * itself handed to the guest, after admission and any host changes since the push).
    */
   wakePhases: z.record(z.string(), z.number()).optional(),
 });

@@ -37,8 +37,10 @@ export interface WakeInfo {
   restoreMs?: number;
   /** The guest's clock minus the host's after the restore (checked on every restore). */
   clockErrorMs?: number;
-  /** Ms from the wake's start to the end of each of its phases (restore, channel, push, resume, mark). */
+  /** Ms from the wake's start to the end of each of its phases (restore, channel, push, resume, mark; exec is added by the lifecycle). */
   phases?: Record<string, number>;
+  /** performance.now() at the wake's start: the origin of `phases`. */
+  startedAt?: number;
 }
 
 /** A snapshot of one session's VM, written at release when it changed state outside /work and /tmp. */
@@ -105,6 +107,8 @@ export interface ReclaimInfo {
 export interface Sandbox {
   readonly spec: SandboxSpec;
   readonly agent: AgentClient;
+  /** performance.now() when the last call was handed to the guest (after host changes were pushed). */
+  readonly callSentAt?: number | undefined;
   /** Makes the guest's workspace current (pushing host changes), runs, pulls changes back. */
   exec(req: SandboxExecRequest, hostChanges: HostChanges): Promise<SyncedExecResult>;
   /**

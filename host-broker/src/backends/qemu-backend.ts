@@ -84,6 +84,8 @@ export class QemuBackend implements VmBackend {
   /** What a standby key stands for: the template and size to restore. */
   private readonly standbyKeys = new Map<string, { template: string | undefined; size: { memoryMiB: number; cpus: number; swapMiB: number } }>();
   private standbyCount = 0;
+  /** Standby VMs still being prepared: a shutdown stops them rather than waiting for their warm-up. */
+  private readonly preparing = new Set<Vm>();
 
   private constructor(
     private readonly opts: QemuBackendOptions,
@@ -206,7 +208,7 @@ export class QemuBackend implements VmBackend {
       const wakeMs = performance.now() - t0;
       const how = from ? 'slot-restore' : opts.coldBoot ? 'cold-boot' : standby ? 'standby' : 'pristine-restore';
       this.opts.log.info('vm.woke', { session: spec.session, how, ...(standby ? { standby: vm.spec.id, standbyAgeMs: Math.round(Date.now() - standby.readyAt) } : {}), wakeMs: Math.round(wakeMs), phases, pushedFiles: pushed.files, pushedBytes: pushed.bytes, markedBy: pushed.marker?.markedBy ?? 'sync.mark', ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
-      return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs, phases, ...(clock ? { clockErrorMs: clock.errorMs } : {}) } };
+      return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs, phases, startedAt: t0, ...(clock ? { clockErrorMs: clock.errorMs } : {}) } };
     } catch (err) {
       agent?.close();
       const died = !vm.running;
@@ -235,6 +237,7 @@ export class QemuBackend implements VmBackend {
     const t0 = performance.now();
     const vm = await this.driver.restore({ id, dir: join(this.runRoot, id), image: t.image, ...k.size, niceness: STANDBY_NICENESS }, { memory: pristine.memory, state: pristine.state });
     let agent: AgentClient | undefined;
+    this.preparing.add(vm);
     try {
       agent = await connectAgent(vm, {
         timeoutMs: 15_000 * this.deadlines.scale,
@@ -249,6 +252,8 @@ export class QemuBackend implements VmBackend {
       agent?.close();
       await vm.destroy();
       throw err;
+    } finally {
+      this.preparing.delete(vm);
     }
   }
 
@@ -272,7 +277,11 @@ export class QemuBackend implements VmBackend {
   }
 
   async shutdown(): Promise<void> {
-    await this.standby.close();
+    // The pool closes first (no new fill starts), then a standby being warmed is stopped
+    // now (its fill fails) rather than waited for.
+    const pool = this.standby.close();
+    await Promise.all([...this.preparing].map((vm) => vm.destroy()));
+    await pool;
     await Promise.all([...this.sandboxes].map((s) => s.close()));
     cleanupOrphans(this.runRoot, this.opts.log);
   }
@@ -330,6 +339,7 @@ export class QemuBackend implements VmBackend {
 class QemuSandbox implements Sandbox {
   readonly exited: Promise<Error | undefined>;
   private home: string[] = [];
+  callSentAt: number | undefined;
 
   constructor(
     readonly spec: SandboxSpec,
@@ -361,6 +371,7 @@ class QemuSandbox implements Sandbox {
       this.agent.workspaceEntries = mark.entries;
     }
     let value: T;
+    this.callSentAt = performance.now();
     try {
       value = await this.guard(() => fn(this.agent));
     } catch (err) {

@@ -109,6 +109,8 @@ export class SandboxLifecycle {
       const queuedMs = performance.now() - t0;
       try {
         const value = await fn(sb, this.hostChanges.take());
+        // The last phase of a wake: the call itself handed to the guest (after admission and any host changes).
+        if (wake.woke && wake.phases && wake.startedAt !== undefined && sb.callSentAt !== undefined && sb.callSentAt >= wake.startedAt) wake.phases['exec'] = Math.round(sb.callSentAt - wake.startedAt);
         return { value, wake, queuedMs };
       } catch (err) {
         if (err instanceof HutchError && (err.code === 'guest_crashed' || err.code === 'guest_unresponsive')) await this.drop(err.code === 'guest_crashed' ? 'crashed during a call' : 'stopped answering');
