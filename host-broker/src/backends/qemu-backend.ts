@@ -80,6 +80,8 @@ export class QemuBackend implements VmBackend {
   private readonly sandboxes = new Set<QemuSandbox>();
   /** VMs of wakes in progress, by session: abandon() stops them whatever their run dir. */
   private readonly waking = new Map<string, Vm>();
+  /** Sessions whose wake was abandoned (closed, past its deadline): a failed standby is not retried for them. */
+  private readonly abandoned = new Set<string>();
   readonly standby: StandbyPool<StandbyVm>;
   /** What a standby key stands for: the template and size to restore. */
   private readonly standbyKeys = new Map<string, { template: string | undefined; size: { memoryMiB: number; cpus: number; swapMiB: number } }>();
@@ -139,6 +141,19 @@ export class QemuBackend implements VmBackend {
   }
 
   async start(spec: SandboxSpec, opts: StartOptions = {}): Promise<{ sandbox: Sandbox; wake: WakeInfo }> {
+    this.abandoned.delete(spec.session);
+    try {
+      return await this.startOnce(spec, opts, true);
+    } catch (err) {
+      // A standby that died just before it was taken (its exit not yet seen) must not cost
+      // the call: the wake starts over from the pristine snapshot, once.
+      if (!(err instanceof StandbyLost) || this.abandoned.has(spec.session)) throw err instanceof StandbyLost ? err.cause : err;
+      this.opts.log.warn('vm.standby_lost', { session: spec.session, error: (err.cause as Error).message });
+      return this.startOnce(spec, opts, false);
+    }
+  }
+
+  private async startOnce(spec: SandboxSpec, opts: StartOptions, useStandby: boolean): Promise<{ sandbox: Sandbox; wake: WakeInfo }> {
     const t0 = performance.now();
     this.markImageInUse();
     const { from } = opts;
@@ -152,7 +167,7 @@ export class QemuBackend implements VmBackend {
     const phases: Record<string, number> = {};
     const phase = (name: string) => void (phases[name] = Math.round(performance.now() - t0));
     let standby: StandbyVm | undefined;
-    if (!from && !opts.coldBoot) {
+    if (!from && !opts.coldBoot && useStandby) {
       this.standbyKeys.set(pristine.meta.key, { template: spec.template, size });
       standby = await this.standby.take(pristine.meta.key);
     }
@@ -215,8 +230,10 @@ export class QemuBackend implements VmBackend {
       await vm.destroy();
       // A VM that dies while waking (killed, out of memory) fails the call as a crash, not as a closed channel.
       if (died && err instanceof HutchError && err.code === 'connection_closed') {
-        throw new HutchError('guest_crashed', `the VM of session ${spec.session} died while waking; the host workspace is unchanged`, { session: spec.session });
+        const crashed = new HutchError('guest_crashed', `the VM of session ${spec.session} died while waking; the host workspace is unchanged`, { session: spec.session });
+        throw standby ? new StandbyLost(crashed) : crashed;
       }
+      if (standby && err instanceof HutchError && (err.code === 'guest_crashed' || err.code === 'guest_unresponsive' || err.code === 'connection_closed')) throw new StandbyLost(err);
       throw err;
     } finally {
       this.waking.delete(spec.session);
@@ -264,6 +281,7 @@ export class QemuBackend implements VmBackend {
   }
 
   async abandon(spec: SandboxSpec): Promise<void> {
+    this.abandoned.add(spec.session);
     await this.waking.get(spec.session)?.destroy().catch(() => undefined);
     const dir = join(this.runRoot, spec.session);
     for (const pid of qemuPids(dir)) {
@@ -480,6 +498,13 @@ class QemuSandbox implements Sandbox {
       }
       throw err;
     }
+  }
+}
+
+/** A wake on a standby VM failed because that VM died or went silent: the wake may start over without it. */
+class StandbyLost extends Error {
+  constructor(override readonly cause: HutchError) {
+    super(cause.message);
   }
 }
 
