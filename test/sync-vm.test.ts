@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { readdirSync, readFileSync } from 'node:fs';
+import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { Hutch } from '../host-broker/src/sdk/index.ts';
 import { startBroker, type TestBroker } from './helpers/broker.ts';
@@ -40,6 +40,37 @@ describe('workspace sync with real VMs', { tags: ['vm'] }, () => {
     expect(again.woke).toBe(true);
     expect(again.exitCode).toBe(0);
     expect(again.stdout).toBe('odd\nin\n');
+    await sb.close();
+  }, 900_000);
+
+  it('what a background process writes between two calls reaches the host, even when the next call pushes a host edit first', async () => {
+    const sb = await hutch.create({ workspace: { files: { 'a.txt': 'x\n' } } });
+    const started = await sb.run('(sleep 1; echo late > /work/bg.log) > /dev/null 2>&1 &', { route: 'vm' });
+    expect(started.exitCode).toBe(0);
+    const ws = join(b.dataDir, 'sessions', sb.id, 'workspace');
+    // Long enough for the job to finish even in an emulated guest; no call runs meanwhile.
+    await new Promise((r) => setTimeout(r, 10_000));
+    expect(existsSync(join(ws, 'bg.log'))).toBe(false); // nothing pulls between calls
+    await sb.files.write('a.txt', 'edited on the host\n'); // a host change: the next VM call pushes it
+    const next = await sb.run('cat /work/a.txt', { route: 'vm' });
+    expect(next.stdout).toBe('edited on the host\n');
+    // The push took a new sync marker before the call; it must not have swallowed bg.log.
+    expect(readFileSync(join(ws, 'bg.log'), 'utf8')).toBe('late\n');
+    expect(readFileSync(join(ws, 'a.txt'), 'utf8')).toBe('edited on the host\n');
+    await sb.close();
+  }, 900_000);
+
+  it('what a background job writes after the last call reaches the host before its idle VM is released (and killed)', async () => {
+    const sb = await hutch.create({ workspace: { files: { 'a.txt': 'x\n' } } });
+    expect((await sb.run('(sleep 1; echo done > /work/job.out) > /dev/null 2>&1 &', { route: 'vm' })).exitCode).toBe(0);
+    const ws = join(b.dataDir, 'sessions', sb.id, 'workspace');
+    await new Promise((r) => setTimeout(r, 10_000));
+    expect(existsSync(join(ws, 'job.out'))).toBe(false);
+    await sb.hint('idle'); // the job is over and nothing outside /work changed: the VM is killed
+    await waitFor(async () => !(await hutch.sessions()).find((x) => x.session === sb.id)?.live);
+    expect(readFileSync(join(ws, 'job.out'), 'utf8')).toBe('done\n');
+    const again = await sb.run('cat /work/job.out', { route: 'vm' });
+    expect({ woke: again.woke, stdout: again.stdout }).toEqual({ woke: true, stdout: 'done\n' });
     await sb.close();
   }, 900_000);
 

@@ -2,6 +2,7 @@ import type { Duplex } from 'node:stream';
 import { Connection, type Handlers } from './protocol/connection.ts';
 import { HutchError } from './protocol/errors.ts';
 import type { Capabilities } from './protocol/messages.ts';
+import type { ResultOf } from './protocol/methods.ts';
 import type { Logger } from './log.ts';
 import { ExecService, type ExecConfig } from './process/exec-handler.ts';
 import { Workspace } from './workspace/confine.ts';
@@ -74,7 +75,7 @@ export class Agent {
             if (c.stream !== undefined) return ctx.inbound(c.stream);
             return new Uint8Array(0);
           },
-          { fresh: p.fresh ?? false, mark: p.mark ?? false },
+          { fresh: p.fresh ?? false, mark: p.mark ?? false, since: p.since },
         ),
       'sync.mark': () => this.sync.mark(),
       'sync.changes': async (p, ctx) => {
@@ -83,7 +84,7 @@ export class Agent {
         const r = await this.sync.changes(p.since, { inlineMaxBytes: p.inlineMaxBytes ?? 64 * 1024, maxFileBytes: p.maxFileBytes }, out);
         out.end();
         await out.flushed();
-        return r;
+        return p.state ? { ...r, state: await this.state(p.state.maxPaths) } : r;
       },
       'sync.read': async (p, ctx) => {
         const out = ctx.outbound(p.stream);
@@ -114,7 +115,7 @@ export class Agent {
         setTimeout(() => process.exit(p.code ?? 70), 20);
         return { exiting: true };
       },
-      'agent.state': (p) => guestState({ overlayUpper: this.opts.overlayUpper, workloadCgroup: this.opts.workloadCgroup, maxPaths: p.maxPaths ?? 50 }),
+      'agent.state': (p) => this.state(p.maxPaths),
       'debug.echo': async (p, ctx) => {
         const input = ctx.inbound(p.input);
         const output = ctx.outbound(p.output);
@@ -130,6 +131,11 @@ export class Agent {
       ...memoryHandlers({ workloadCgroup: this.opts.workloadCgroup, execs: this.execs, log: this.opts.log }),
       ...telemetryHandlers({ workloadCgroup: this.opts.workloadCgroup, execs: this.execs }),
     };
+  }
+
+  /** What the tenant left outside the workspace and what still runs (agent.state, and after a pull's scan). */
+  private state(maxPaths = 50): Promise<ResultOf<'agent.state'>> {
+    return guestState({ overlayUpper: this.opts.overlayUpper, workloadCgroup: this.opts.workloadCgroup, maxPaths });
   }
 
   /**

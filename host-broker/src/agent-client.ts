@@ -193,7 +193,7 @@ export class AgentClient {
   /** Applies a sync batch; large file contents go as streams, small ones inline. */
   async syncApply(
     changes: Array<SyncChange | (Omit<Extract<SyncChange, { op: 'write' }>, 'data' | 'stream'> & { source: AsyncIterable<Uint8Array> })>,
-    opts: { fresh?: boolean; mark?: boolean } = {},
+    opts: { fresh?: boolean; mark?: boolean; since?: string } = {},
   ): Promise<ResultOf<'sync.apply'>> {
     const conn = this.connection;
     const wire: SyncChange[] = [];
@@ -287,7 +287,15 @@ export class AgentClient {
         throw err;
       }
     })();
-    const [r, c] = await Promise.allSettled([res, consume]);
+    // Once the stream has ended the answer is due at once, but for agent.state when asked
+    // (a walk bounded by maxPaths): bounded like agent.state, never by the 24 h backstop.
+    const tailMs = idleMs !== undefined && this.policy ? idleMs + (params.state ? deadlineFor('agent.state', {}, this.policy) : 0) : undefined;
+    const answered = consume.then(
+      () => withIdleDeadline(res, tailMs, 'sync.changes', 'answered nothing after its stream ended'),
+      () => res,
+    );
+    answered.catch(() => abort.abort());
+    const [r, c] = await Promise.allSettled([answered, consume]);
     // A silent guest explains everything else (the cancelled request); otherwise the agent's
     // own error (unknown marker, ...) explains a short stream better than the stream does.
     if (c.status === 'rejected' && c.reason instanceof HutchError && c.reason.code === 'guest_unresponsive') throw c.reason;
@@ -322,11 +330,11 @@ export class AgentClient {
 const STREAM_PROGRESS_ONLY_MS = 24 * 3600 * 1000;
 
 /** Resolves with `p`, or fails with guest_unresponsive if it takes longer than `ms` (no limit when undefined). */
-function withIdleDeadline<T>(p: Promise<T>, ms: number | undefined, method: string): Promise<T> {
+function withIdleDeadline<T>(p: Promise<T>, ms: number | undefined, method: string, what = 'sent nothing on its stream'): Promise<T> {
   if (ms === undefined) return p;
   let timer: NodeJS.Timeout | undefined;
   const idle = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new HutchError('guest_unresponsive', `the guest sent nothing on its ${method} stream for ${ms} ms`, { method, deadlineMs: ms })), ms);
+    timer = setTimeout(() => reject(new HutchError('guest_unresponsive', `the guest ${what} of ${method} for ${ms} ms`, { method, deadlineMs: ms })), ms);
   });
   return Promise.race([p, idle]).finally(() => clearTimeout(timer));
 }

@@ -223,6 +223,11 @@ export class Broker {
     this.metrics.sessions.set(all.length);
     this.metrics.admissionWaiting.set({ kind: 'wake' }, this.admission.wakes.waiting);
     this.metrics.admissionWaiting.set({ kind: 'vm_call' }, this.admission.vmCalls.waiting);
+    const standby = this.opts.backend.standbyStats?.();
+    if (standby) {
+      this.metrics.standbyVms.set({ state: 'ready' }, standby.ready);
+      this.metrics.standbyVms.set({ state: 'filling' }, standby.filling);
+    }
     this.metrics.setGuestGauges(
       all.map((s) => {
         const vm = s.vm.vmState;

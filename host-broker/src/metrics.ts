@@ -51,6 +51,7 @@ export class BrokerMetrics {
   readonly syncBytes = new Counter({ name: 'hutch_sync_bytes_total', help: 'Workspace bytes moved between host and guests', labelNames: ['direction'], registers: [this.registry] });
   readonly liveVms = new Gauge({ name: 'hutch_live_vms', help: 'VMs running now', registers: [this.registry] });
   readonly sessions = new Gauge({ name: 'hutch_sessions', help: 'Open sessions', registers: [this.registry] });
+  readonly standbyVms = new Gauge({ name: 'hutch_standby_vms', help: 'Standby VMs ready to take, and being prepared', labelNames: ['state'], registers: [this.registry] });
   readonly admissionWaiting = new Gauge({ name: 'hutch_admission_waiting', help: 'Wakes and VM calls waiting for admission', labelNames: ['kind'], registers: [this.registry] });
   private readonly callFaults = new Histogram({ name: 'hutch_call_major_faults', help: 'Major page faults in the guest during a VM call', buckets: [0, 10, 100, 1000, 10_000, 100_000], registers: [this.registry] });
   private readonly callSwapRead = new Counter({ name: 'hutch_call_swap_read_bytes_total', help: 'Bytes VM calls read back from guest swap disks', registers: [this.registry] });

@@ -179,6 +179,12 @@ export const SyncApplyParamsSchema = z.object({
   fresh: z.boolean().optional(),
   /** After applying, take a sync marker (as sync.mark) and return it: one round trip less. */
   mark: z.boolean().optional(),
+  /**
+   * The marker the broker last pulled from, on every batch of a push: the marker `mark`
+   * returns is that one plus what the push applied (no scan), so what the guest changed
+   * since that pull is still pulled after the call instead of becoming the baseline.
+   */
+  since: z.string().min(1).max(64).optional(),
 });
 export const SyncApplyResultSchema = z.object({
   applied: z.number().int(),
@@ -217,6 +223,18 @@ export const SyncChangesBatchSchema = z.object({ changes: z.array(SyncEntrySchem
 export type SyncChangesBatch = z.infer<typeof SyncChangesBatchSchema>;
 /** Largest record on a sync.changes stream (a batch is cut well below it). */
 export const SYNC_RECORD_MAX_BYTES = 1024 * 1024;
+/** What the tenant changed outside the workspace, and what still runs: the broker's release decision. */
+export const StateParamsSchema = z.object({ maxPaths: z.number().int().positive().max(10_000).optional() });
+export const StateResultSchema = z.object({
+  /** Anything written outside /work and /tmp (the overlay's upper layer is not empty). */
+  dirty: z.boolean(),
+  /** Up to maxPaths changed paths, root-relative (home/tenant/.gitconfig). */
+  dirtyPaths: z.array(z.string()),
+  /** Tenant processes alive now (in the workload cgroup, or the agent's other children). */
+  processes: z.number().int(),
+  /** Whether the answer is known: false when the agent has no overlay to look at (not in a VM). */
+  tracked: z.boolean(),
+});
 export const SyncChangesParamsSchema = z.object({
   since: z.string().min(1).max(64),
   /** Outbound stream (agent -> broker) that carries the batches. */
@@ -225,6 +243,8 @@ export const SyncChangesParamsSchema = z.object({
   inlineMaxBytes: z.number().int().nonnegative().max(16 * 1024 * 1024).optional(),
   /** Files above this size are reported as skipped (too_large) instead of listed. */
   maxFileBytes: z.number().int().nonnegative().optional(),
+  /** Also answer agent.state after the scan: the pull after every call then needs one round trip, not two. */
+  state: StateParamsSchema.optional(),
 });
 export const SyncChangesResultSchema = z.object({
   marker: z.string(),
@@ -234,6 +254,8 @@ export const SyncChangesResultSchema = z.object({
   changes: z.number().int(),
   skipped: z.number().int(),
   batches: z.number().int(),
+  /** With `state` asked: agent.state's answer, taken after the scan. */
+  state: StateResultSchema.optional(),
 });
 export const SyncReadParamsSchema = z.object({ path: SyncPath, stream: streamId });
 export const SyncReadResultSchema = z.object({ bytes: z.number().int() });
@@ -263,18 +285,6 @@ export const ResumeResultSchema = z.object({
   clockNote: z.string().optional(),
   /** Why /work could not be sized from the quota (absent when it was, or none was asked). */
   workError: z.string().optional(),
-});
-/** What the tenant changed outside the workspace, and what still runs: the broker's release decision. */
-export const StateParamsSchema = z.object({ maxPaths: z.number().int().positive().max(10_000).optional() });
-export const StateResultSchema = z.object({
-  /** Anything written outside /work and /tmp (the overlay's upper layer is not empty). */
-  dirty: z.boolean(),
-  /** Up to maxPaths changed paths, root-relative (home/tenant/.gitconfig). */
-  dirtyPaths: z.array(z.string()),
-  /** Tenant processes alive now (in the workload cgroup, or the agent's other children). */
-  processes: z.number().int(),
-  /** Whether the answer is known: false when the agent has no overlay to look at (not in a VM). */
-  tracked: z.boolean(),
 });
 /** Before a snapshot: the agent ends its session and waits for the next broker on a fresh port open. */
 export const DetachParamsSchema = z.object({});

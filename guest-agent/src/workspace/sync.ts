@@ -34,6 +34,8 @@ export interface SyncOptions {
   durable?: boolean;
   /** Markers kept; older ones are forgotten (a pull against them is refused as not_found). */
   keepMarkers?: number;
+  /** List directories through the thread pool as before (walk.ts syncListing): only bench/sync-scan.ts's baseline sets it. */
+  threadPoolListing?: boolean;
 }
 
 export type ContentSource = (change: Extract<SyncChange, { op: 'write' }>) => Uint8Array | AsyncIterable<Uint8Array>;
@@ -62,8 +64,12 @@ const ENTRY_OVERHEAD_BYTES = 96;
 export class WorkspaceSync {
   private readonly markers = new Map<string, Manifest>();
   private readonly rootBytes: Buffer;
-  /** What a fresh push applied so far (see apply); null once it cannot be trusted. */
-  private recording: Manifest | null | undefined;
+  /**
+   * What a push applied so far on top of what it started from (see apply): the empty /work
+   * of a fresh push, or the manifest of the marker the broker last pulled from. `m` is null
+   * once it cannot be trusted (`mark` then scans).
+   */
+  private recording: { from: string; m: Manifest | null } | undefined;
 
   constructor(
     readonly ws: Workspace,
@@ -74,33 +80,42 @@ export class WorkspaceSync {
 
   /**
    * Applies a batch in order; a failed entry is reported and the rest still applied.
-   * `fresh`: the broker is filling a /work it never pushed to since a pristine restore.
-   * If /work is indeed empty at the first such batch, what is applied is recorded as it
-   * lands (an lstat per entry), and `mark` then remembers that record instead of scanning
-   * the tree (a scan is the slowest step of a wake under TCG). Anything that makes the
-   * record doubtful (a failed entry, a delete, a name a scan would skip) drops it and
-   * `mark` scans as before.
+   *
+   * What a push applies is recorded as it lands (an lstat per entry), on top of where it
+   * started, and `mark` then remembers that record instead of scanning the tree:
+   * - `fresh`: the broker is filling a /work it never pushed to since a pristine restore.
+   *   If /work is indeed empty at the first such batch, the record starts empty (and files
+   *   are created in place, applyIntoEmpty). A scan is the slowest step of a wake under TCG.
+   * - `since`: the marker the broker last pulled from. The record starts from that marker's
+   *   manifest, so what the guest changed since that pull (a background process writing a
+   *   log between two calls) still differs from the new marker and is pulled after the
+   *   call. A scan here would take those changes as the baseline and they would never reach
+   *   the host.
+   * Anything that makes the record doubtful (a failed entry, a name a scan would skip, an
+   * unknown marker) drops it and `mark` scans.
    */
-  async apply(changes: SyncChange[], content: ContentSource, opts: { fresh?: boolean; mark?: boolean } = {}): Promise<ResultOf<'sync.apply'>> {
+  async apply(changes: SyncChange[], content: ContentSource, opts: { fresh?: boolean; mark?: boolean; since?: string | undefined } = {}): Promise<ResultOf<'sync.apply'>> {
     let applied = 0;
     const failed: ResultOf<'sync.apply'>['failed'] = [];
     const rootFd = openSyncRoot(this.ws.root);
     const parents = new SyncParentCache(rootFd);
-    if (!opts.fresh) this.recording = undefined;
-    else if (!this.recording) this.recording = readdirSync(at(rootFd)).length === 0 ? new Map() : null;
+    const from = opts.fresh ? FRESH : opts.since;
+    if (from === undefined) this.recording = undefined;
+    else if (this.recording?.from !== from) this.recording = { from, m: this.recordStart(from, rootFd) };
+    const rec = this.recording;
     try {
       for (const [index, c] of changes.entries()) {
         // Small writes are synchronous: let the connection's other traffic (heartbeats) through now and then.
         if (index > 0 && index % APPLY_YIELD_EVERY === 0) await new Promise((r) => setImmediate(r));
         try {
-          const st = this.recording ? this.applyIntoEmpty(parents, c, content) : undefined;
+          const st = rec?.from === FRESH && rec.m ? this.applyIntoEmpty(parents, c, content) : undefined;
           if (st === undefined) await this.applyOne(parents, c, content);
           applied++;
-          if (this.recording) this.record(parents, c, st);
+          if (rec?.m && !recordApplied(rec.m, parents, c, st)) rec.m = null;
         } catch (err) {
           const e = toHutchError(err, { path: nameFromBytes(c.path) });
           failed.push({ index, path: c.path, code: e.code, message: e.message });
-          if (this.recording) this.recording = null;
+          if (rec) rec.m = null;
         }
       }
     } finally {
@@ -108,10 +123,16 @@ export class WorkspaceSync {
       closeQuietly(rootFd);
     }
     if (!opts.mark) return { applied, failed };
-    const recorded = this.recording;
     this.recording = undefined;
-    if (recorded) return { applied, failed, marker: this.remember(recorded), entries: recorded.size, markedBy: 'recorded' };
+    if (rec?.m) return { applied, failed, marker: this.remember(rec.m), entries: rec.m.size, markedBy: 'recorded' };
     return { applied, failed, ...(await this.mark()), markedBy: 'scan' };
+  }
+
+  /** Where a push's record starts: empty for a fresh push into an empty /work, a copy of a known marker's manifest; null otherwise. */
+  private recordStart(from: string, rootFd: number): Manifest | null {
+    if (from === FRESH) return readdirSync(at(rootFd)).length === 0 ? new Map() : null;
+    const base = this.markers.get(from);
+    return base ? new Map(base) : null;
   }
 
   /**
@@ -173,32 +194,6 @@ export class WorkspaceSync {
     } finally {
       closeQuietly(fd);
     }
-  }
-
-  /** Records an applied entry as scan() would see it (`stat`: its fstat, taken when it was created); one it would not see as pushed drops the record. */
-  private record(parents: SyncParentCache, c: SyncChange, stat?: BigIntStats): void {
-    const m = this.recording as Manifest;
-    const parts = splitSyncPath(c.path);
-    if (c.op === 'delete' || c.op === 'chmod' || parts.some((p) => isAtomicTempName(nameFromBytes(p)))) {
-      this.recording = null;
-      return;
-    }
-    const dir = stat ? undefined : parents.get(parts);
-    const st = stat ?? (dir === undefined ? undefined : lstatSync(at(dir, parts[parts.length - 1] as Buffer), { bigint: true, throwIfNoEntry: false }));
-    const kind = st?.isFile() ? 'file' : st?.isDirectory() ? 'dir' : st?.isSymbolicLink() ? 'symlink' : undefined;
-    if (!st || kind !== (c.op === 'write' ? 'file' : c.op === 'mkdir' ? 'dir' : 'symlink')) {
-      this.recording = null;
-      return;
-    }
-    const e: ManifestEntry = { kind, size: Number(st.size), mtimeNs: st.mtimeNs, ino: st.ino, mode: Number(st.mode & 0o7777n) };
-    if (kind === 'symlink') {
-      if (c.op !== 'symlink' || c.target.length === 0) {
-        this.recording = null;
-        return;
-      }
-      e.target = Buffer.from(c.target);
-    }
-    m.set(nameFromBytes(c.path), e);
   }
 
   /** Records the current state; `changes(marker)` later reports what differs from it. */
@@ -346,7 +341,7 @@ export class WorkspaceSync {
 
   private async scan(progress?: () => Promise<void>): Promise<Manifest> {
     const m: Manifest = new Map();
-    for await (const e of walk(this.ws.root)) {
+    for await (const e of walk(this.ws.root, { syncListing: !this.opts.threadPoolListing })) {
       if (progress) await progress();
       let st: BigIntStats | undefined;
       try {
@@ -462,6 +457,47 @@ export class WorkspaceSync {
 }
 
 /** A path changing kind (dir -> file, file -> symlink, ...) loses its old entry first. */
+/** A push's record that starts from an empty /work (apply's `fresh`). */
+const FRESH = '';
+
+/**
+ * Puts an applied entry into a push's record as scan() would see it (`stat`: its fstat,
+ * taken when it was created). False when the record can no longer be trusted (an entry a
+ * scan would skip or see otherwise than pushed).
+ */
+function recordApplied(m: Manifest, parents: SyncParentCache, c: SyncChange, stat?: BigIntStats): boolean {
+  const parts = splitSyncPath(c.path);
+  if (parts.some((p) => isAtomicTempName(nameFromBytes(p)))) return false;
+  const key = nameFromBytes(c.path);
+  const was = m.get(key);
+  if (c.op === 'delete') {
+    m.delete(key);
+    if (was?.kind === 'dir') dropUnder(m, key);
+    return true;
+  }
+  const dir = stat ? undefined : parents.get(parts);
+  const st = stat ?? (dir === undefined ? undefined : lstatSync(at(dir, parts[parts.length - 1] as Buffer), { bigint: true, throwIfNoEntry: false }));
+  const kind = st?.isFile() ? 'file' : st?.isDirectory() ? 'dir' : st?.isSymbolicLink() ? 'symlink' : undefined;
+  if (!st || !kind) return false;
+  if (c.op !== 'chmod' && kind !== (c.op === 'write' ? 'file' : c.op === 'mkdir' ? 'dir' : 'symlink')) return false;
+  const e: ManifestEntry = { kind, size: Number(st.size), mtimeNs: st.mtimeNs, ino: st.ino, mode: Number(st.mode & 0o7777n) };
+  if (kind === 'symlink') {
+    // Only a link this push made has a known target (a scan reads it; chmod does not apply to links).
+    if (c.op !== 'symlink' || c.target.length === 0) return false;
+    e.target = Buffer.from(c.target);
+  }
+  // A directory replaced by a file or a link took its whole tree with it (clearForReplace).
+  if (was?.kind === 'dir' && kind !== 'dir') dropUnder(m, key);
+  m.set(key, e);
+  return true;
+}
+
+/** Forgets everything below `key` (a directory that is gone). */
+function dropUnder(m: Manifest, key: string): void {
+  const under = `${key}/`;
+  for (const k of m.keys()) if (k.startsWith(under)) m.delete(k);
+}
+
 async function clearForReplace(dir: number, name: Buffer, kind: 'file' | 'dir' | 'symlink'): Promise<void> {
   const st = lstatAt(dir, name);
   if (!st) return;

@@ -1,6 +1,6 @@
 import { constants, openSync } from 'node:fs';
 import { isAtomicTempName } from './atomic-write.ts';
-import { assertProcfs, closeQuietly, joinNames, openDirAt, readDirAt } from './fd-path.ts';
+import { assertProcfs, closeQuietly, joinNames, openDirAt, readDirAt, readDirAtSync } from './fd-path.ts';
 import { nameFromBytes } from './names.ts';
 
 export type WalkType = 'file' | 'dir' | 'symlink' | 'other';
@@ -29,6 +29,8 @@ export interface WalkOptions {
   limit?: number;
   /** Called per directory entry, skipped ones included: lets a caller yield to the loop and enforce a deadline (work-budget.ts). */
   tick?: () => Promise<void>;
+  /** List each directory on the calling thread (fd-path.ts readDirAtSync says when that is right). */
+  syncListing?: boolean;
 }
 
 interface Frame {
@@ -97,7 +99,7 @@ function close(f: Frame, startFd: number): void {
 async function* listDir(frame: Frame, opts: WalkOptions): AsyncGenerator<WalkEntry> {
   let entries;
   try {
-    entries = await readDirAt(frame.fd);
+    entries = opts.syncListing ? readDirAtSync(frame.fd) : await readDirAt(frame.fd);
   } catch (err) {
     if (isFdExhaustion(err)) throw err;
     return; // unreadable: skip, as find does

@@ -54,6 +54,12 @@ export interface SlotRef {
   pristineKey: string;
   /** The VM's swap disk at the snapshot (slots written before swap disks were saved have none). */
   swap?: string;
+  /**
+   * The guest's sync marker of the last pull before the snapshot (it lives in the snapshot's
+   * RAM): the wake's push builds on it, so what the guest wrote after that pull is still
+   * pulled after the next call.
+   */
+  syncMarker?: string;
 }
 
 export interface GuestState {
@@ -154,6 +160,8 @@ export interface VmBackend {
   checkTemplate?(name: string): void;
   /** The current pristine snapshot's key (slots based on another one are stale). */
   pristineKey?(spec: SandboxSpec): Promise<string>;
+  /** Standby VMs (restored and warmed ahead of wakes): ready to take, and being prepared. */
+  standbyStats?(): { ready: number; filling: number };
   /** Starts a sandbox: from a slot when given (the session's last dirty state), else fresh. */
   start(spec: SandboxSpec, opts?: StartOptions): Promise<{ sandbox: Sandbox; wake: WakeInfo }>;
   /** Stops every sandbox and removes what the backend left on disk. */

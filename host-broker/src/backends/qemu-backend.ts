@@ -135,6 +135,11 @@ export class QemuBackend implements VmBackend {
     await this.snapshots.pristine(this.image, { ...size, swapMiB: this.swapMiB() });
   }
 
+  standbyStats(): { ready: number; filling: number } {
+    const s = this.standby.stats();
+    return { ready: s.ready, filling: s.filling };
+  }
+
   async pristineKey(spec: SandboxSpec): Promise<string> {
     const t = this.template(spec.template);
     return t.snapshots.key(t.image, this.size(spec));
@@ -175,7 +180,9 @@ export class QemuBackend implements VmBackend {
     try {
       if (standby) {
         vm = standby.vm;
-        vm.setNiceness(0);
+        const refused = vm.setNiceness(0);
+        // Not fatal (the VM works, at a lower priority than its neighbours), but never silent.
+        if (refused) this.opts.log.warn('vm.standby_niceness', { session: spec.session, vm: vm.spec.id, error: refused, hint: 'a broker without CAP_SYS_NICE cannot give a standby VM its normal priority back; run hutch serve --standby 0' });
         phase('standby');
       } else {
         vm = opts.coldBoot && !from ? await this.driver.boot(vmSpec) : await this.driver.restore(vmSpec, { memory: pristine.memory, state: from ? from.state : pristine.state, ...(from?.swap ? { swap: from.swap } : {}) });
@@ -206,8 +213,10 @@ export class QemuBackend implements VmBackend {
       // From a slot the guest already holds the workspace as it was: push only the difference.
       if (from) mirror.guestView = manifestFromJson(readFileSync(from.manifest, 'utf8'));
       // The marker rides on the push's last batch; after a pristine restore the agent records
-      // what it applies into its empty /work rather than scanning it afterwards.
-      const pushed = await mirror.push(agent, undefined, { fresh: !from, mark: true });
+      // what it applies into its empty /work rather than scanning it afterwards, and from a
+      // slot it builds on the slot's last pull marker (what the guest wrote after that pull
+      // is still pulled after the call).
+      const pushed = await mirror.push(agent, undefined, { fresh: !from, mark: true, ...(from?.syncMarker ? { since: from.syncMarker } : {}) });
       phase('push');
       const first = resumed ? await resumed : undefined;
       if (first?.workError) this.opts.log.error('vm.work_size_failed', { session: spec.session, error: first.workError });
@@ -381,12 +390,15 @@ class QemuSandbox implements Sandbox {
   async synced<T>(fn: (agent: AgentClient) => Promise<T>, hostChanges: HostChanges): Promise<Synced<T>> {
     let pushedBytes = 0;
     if (hostChanges.kind !== 'none') {
-      const pushed = await this.guard(() => this.mirror.push(this.agent, hostChanges.kind === 'paths' ? hostChanges.paths : undefined, { mark: true }));
+      const pushed = await this.guard(() => this.mirror.push(this.agent, hostChanges.kind === 'paths' ? hostChanges.paths : undefined, { mark: true, markOnlyIfSent: true, since: this.marker }));
       pushedBytes = pushed.bytes;
-      // What we just pushed must not come back as a guest change.
-      const mark = pushed.marker ?? (await this.guard(() => this.agent.call('sync.mark', {})));
-      this.marker = mark.marker;
-      this.agent.workspaceEntries = mark.entries;
+      if (pushed.sent > 0) {
+        // What we just pushed must not come back as a guest change (and what the guest
+        // changed since the last pull must: the marker builds on this.marker, not a scan).
+        const mark = pushed.marker ?? (await this.guard(() => this.agent.call('sync.mark', {})));
+        this.marker = mark.marker;
+        this.agent.workspaceEntries = mark.entries;
+      }
     }
     let value: T;
     this.callSentAt = performance.now();
@@ -402,14 +414,15 @@ class QemuSandbox implements Sandbox {
     return { value, pushedBytes, pulledBytes: pulled.bytes, ...(pulled.errors.length ? { syncErrors: pulled.errors } : {}) };
   }
 
-  /** Pulls what the guest changed in /work since the marker: the bytes pulled and what could not be. */
-  private async pullBack(): Promise<{ bytes: number; errors: PullError[] }> {
-    const pulled = await this.guard(() => this.mirror.pull(this.agent, this.marker, this.maxFileBytes));
+  /** Pulls what the guest changed in /work since the marker: the bytes pulled, what could not be, and the guest's state after. */
+  private async pullBack(): Promise<{ bytes: number; errors: PullError[]; state: ResultOf<'agent.state'> }> {
+    const pulled = await this.guard(() => this.mirror.pull(this.agent, this.marker, this.maxFileBytes, { state: { maxPaths: 200 } }));
     this.marker = pulled.marker;
     if (pulled.stats.errors.length) this.log.warn('sync.pull_errors', { session: this.spec.session, count: pulled.stats.errors.length, first: pulled.stats.errors.slice(0, 5) });
-    const st = await this.guard(() => this.agent.call('agent.state', { maxPaths: 200 }));
+    // The agent answers agent.state in the pull's own round trip (an older agent does not: ask).
+    const st = pulled.state ?? (await this.guard(() => this.agent.call('agent.state', { maxPaths: 200 })));
     this.home = st.dirtyPaths.filter((p) => p.startsWith(GUEST_HOME)).map((p) => p.slice(GUEST_HOME.length));
-    return { bytes: pulled.stats.bytes, errors: pulled.stats.errors };
+    return { bytes: pulled.stats.bytes, errors: pulled.stats.errors, state: st };
   }
 
   async reclaim(): Promise<ReclaimInfo> {
@@ -442,11 +455,23 @@ class QemuSandbox implements Sandbox {
   }
 
   async state(): Promise<GuestState> {
-    const st = await this.guard(() => this.agent.call('agent.state', { maxPaths: 50 }));
+    // Before the release decision, whatever the guest wrote to /work since the last call's
+    // pull (a background job finishing while the agent thinks) goes to the host: a VM found
+    // clean is then killed without losing it. A pull the host could not take (its disk is
+    // full) leaves the changes in the guest, which then counts as state to keep.
+    let st: ResultOf<'agent.state'>;
+    try {
+      st = (await this.pullBack()).state;
+    } catch (err) {
+      if (err instanceof HutchError && (err.code === 'guest_crashed' || err.code === 'guest_unresponsive')) throw err;
+      this.log.warn('vm.release_pull_failed', { session: this.spec.session, error: (err as Error).message });
+      const rest = await this.guard(() => this.agent.call('agent.state', { maxPaths: 50 }));
+      return { dirty: true, dirtyPaths: [`work/ (not pulled: ${(err as Error).message})`, ...rest.dirtyPaths], processes: rest.processes };
+    }
     // Workspace entries the host could not take (a FIFO, a file over the limit) live only in
     // the guest: killing it would lose them, so they count as state to keep, like a ~/.gitconfig.
     const unpulled = [...this.mirror.unpulled].slice(0, 50).map((p) => `work/${p}`);
-    return { dirty: st.dirty || unpulled.length > 0, dirtyPaths: [...st.dirtyPaths, ...unpulled], processes: st.processes };
+    return { dirty: st.dirty || unpulled.length > 0, dirtyPaths: [...st.dirtyPaths.slice(0, 50), ...unpulled], processes: st.processes };
   }
 
   homeChanges(): string[] {
@@ -470,7 +495,7 @@ class QemuSandbox implements Sandbox {
     await this.vm.destroy();
     this.onClose();
     const bytes = snap.stateBytes + statSync(manifest).size + (swap?.bytes ?? 0);
-    return { bytes, ms: performance.now() - t0, slot: { dir, state, manifest, pristineKey: this.pristineKey, ...(swap ? { swap: swap.path } : {}) } };
+    return { bytes, ms: performance.now() - t0, slot: { dir, state, manifest, pristineKey: this.pristineKey, syncMarker: this.marker, ...(swap ? { swap: swap.path } : {}) } };
   }
 
   async close(): Promise<void> {

@@ -48,7 +48,7 @@ export class SnapshotSlots {
     let ref: SlotRef;
     try {
       ref = await write(tmp);
-      writeFileSync(join(tmp, 'slot.json'), JSON.stringify({ pristineKey: ref.pristineKey, writtenAt: new Date().toISOString() }));
+      writeFileSync(join(tmp, 'slot.json'), JSON.stringify({ pristineKey: ref.pristineKey, writtenAt: new Date().toISOString(), ...(ref.syncMarker ? { syncMarker: ref.syncMarker } : {}) }));
       fsyncPath(join(tmp, 'slot.json'));
     } catch (err) {
       rmSync(tmp, { recursive: true, force: true });
@@ -85,9 +85,10 @@ export class SnapshotSlots {
     const meta = join(dir, 'slot.json');
     if (!existsSync(meta) || !existsSync(join(dir, 'state.bin')) || !existsSync(join(dir, 'manifest.json'))) return undefined;
     try {
-      const m = JSON.parse(readFileSync(meta, 'utf8')) as { pristineKey: string };
+      const m = JSON.parse(readFileSync(meta, 'utf8')) as { pristineKey: string; syncMarker?: unknown };
       const swap = join(dir, SWAP_FILE);
-      return { dir, state: join(dir, 'state.bin'), manifest: join(dir, 'manifest.json'), pristineKey: m.pristineKey, ...(existsSync(swap) ? { swap } : {}) };
+      const syncMarker = typeof m.syncMarker === 'string' ? m.syncMarker : undefined;
+      return { dir, state: join(dir, 'state.bin'), manifest: join(dir, 'manifest.json'), pristineKey: m.pristineKey, ...(existsSync(swap) ? { swap } : {}), ...(syncMarker ? { syncMarker } : {}) };
     } catch {
       return undefined;
     }

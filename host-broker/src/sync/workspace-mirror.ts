@@ -2,7 +2,7 @@ import { constants, promises as fsp } from 'node:fs';
 import { basename, dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
-import type { SyncEntry } from '../../../guest-agent/src/protocol/methods.ts';
+import type { ResultOf, SyncEntry } from '../../../guest-agent/src/protocol/methods.ts';
 import type { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { hasEscapedBytes, nameFromBytes, nameToBytes } from '../../../guest-agent/src/workspace/names.ts';
 import type { WorkspaceSync } from '../../../guest-agent/src/workspace/sync.ts';
@@ -30,6 +30,8 @@ export interface PushStats {
   files: number;
   bytes: number;
   removed: number;
+  /** Entries sent to the guest (writes, directories, links, deletions). */
+  sent: number;
   ms: number;
   /** With `mark`: the sync marker taken right after the push (undefined from an agent that predates it). */
   marker?: { marker: string; entries: number; markedBy?: 'recorded' | 'scan' | undefined } | undefined;
@@ -40,6 +42,19 @@ export interface PushOptions {
   fresh?: boolean;
   /** Take the sync marker in the push's last round trip. */
   mark?: boolean;
+  /**
+   * With `mark`: when nothing needs sending, send nothing and take no marker (the caller's
+   * marker still describes the guest). A host change that turns out to be what the guest
+   * already has (a pull's own writes seen by the watcher, a fast-path call that only read)
+   * then costs no round trip and no scan of the guest's tree.
+   */
+  markOnlyIfSent?: boolean;
+  /**
+   * The marker the caller last pulled from: the guest takes the new marker from it plus
+   * what this push applied, so guest changes made since that pull are not lost (agent
+   * WorkspaceSync.apply explains).
+   */
+  since?: string;
 }
 
 export interface PullStats {
@@ -130,7 +145,7 @@ export class WorkspaceMirror {
     removeWithChildren(view, new Set(remove));
     for (const p of sent) view.set(p, host.get(p) as ManifestEntry);
     this.guestView = view;
-    return { files, bytes, removed: remove.length, ms: performance.now() - t0, marker };
+    return { files, bytes, removed: remove.length, sent: sent.length, ms: performance.now() - t0, marker };
   }
 
   /**
@@ -138,15 +153,16 @@ export class WorkspaceMirror {
    * ends as it was or with every carried change, never a mix, even if the broker dies
    * midway. Returns the new marker and, in `stats.errors`, everything not carried.
    */
-  async pull(agent: AgentClient, marker: string, maxFileBytes: number): Promise<{ marker: string; stats: PullStats }> {
+  async pull(agent: AgentClient, marker: string, maxFileBytes: number, opts: { state?: { maxPaths: number } } = {}): Promise<{ marker: string; stats: PullStats; state?: ResultOf<'agent.state'> | undefined }> {
     const t0 = performance.now();
     const stage = await PullStage.begin(this.hostWs.root, { stateDir: this.stateDir, durable: this.opts.durable ?? true, hook: this.opts.hook });
     const errors: PullError[] = [];
     const fetchLater: SyncEntry[] = [];
     const counts = { files: 0, bytes: 0, deleted: 0 };
     let newMarker: string;
+    let state: ResultOf<'agent.state'> | undefined;
     try {
-      const r = await agent.syncChanges({ since: marker, inlineMaxBytes: INLINE_MAX, maxFileBytes }, async (batch) => {
+      const r = await agent.syncChanges({ since: marker, inlineMaxBytes: INLINE_MAX, maxFileBytes, ...(opts.state ? { state: opts.state } : {}) }, async (batch) => {
         for (const s of batch.skipped) errors.push({ path: nameFromBytes(s.path), code: s.code, message: s.message });
         for (let i = 0; i < batch.changes.length; i += STAGE_CONCURRENCY) {
           const part = batch.changes.slice(i, i + STAGE_CONCURRENCY);
@@ -154,6 +170,7 @@ export class WorkspaceMirror {
         }
       });
       newMarker = r.marker;
+      state = r.state;
       // Files too large to inline come one by one on their own streams, after the change set.
       for (const e of fetchLater) {
         await this.guardEntry(agent, e, errors, async () => {
@@ -175,6 +192,7 @@ export class WorkspaceMirror {
     const carryLimits = new Set(['too_large', 'unsupported_file_type']);
     return {
       marker: newMarker,
+      state,
       stats: {
         ...counts,
         ms: performance.now() - t0,
@@ -276,8 +294,8 @@ export class WorkspaceMirror {
     let batchBytes = 0;
     let streams = 0;
     const flush = async (last = false) => {
-      if (batch.length === 0 && !(last && opts.mark)) return;
-      const r = await agent.syncApply(batch, { ...(opts.fresh ? { fresh: true } : {}), ...(last && opts.mark ? { mark: true } : {}) });
+      if (batch.length === 0 && !(last && opts.mark && !(opts.markOnlyIfSent && sent.length === 0))) return;
+      const r = await agent.syncApply(batch, { ...(opts.fresh ? { fresh: true } : {}), ...(opts.since ? { since: opts.since } : {}), ...(last && opts.mark ? { mark: true } : {}) });
       if (r.marker !== undefined) marker = { marker: r.marker, entries: r.entries ?? 0, markedBy: r.markedBy };
       if (r.failed.length) {
         const f = r.failed[0] as { path: Uint8Array; code: string; message: string };

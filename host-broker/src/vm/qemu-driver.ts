@@ -294,21 +294,24 @@ class QemuVm implements Vm {
     return processMemory(this.pid);
   }
 
-  setNiceness(n: number): void {
+  setNiceness(n: number): string | undefined {
     // Nice values are per thread on Linux: set each of QEMU's (vCPU, I/O, main).
     let tids: string[] = [];
     try {
       tids = readdirSync(`/proc/${this.qemuPid}/task`);
     } catch {
-      return; // gone
+      return undefined; // gone
     }
+    let refused: string | undefined;
     for (const tid of tids) {
       try {
         setPriority(Number(tid), n);
-      } catch {
-        // a thread that ended meanwhile
+      } catch (err) {
+        // A thread that ended meanwhile is fine; a refusal (lowering needs CAP_SYS_NICE) is not.
+        if ((err as NodeJS.ErrnoException).code !== 'ESRCH') refused ??= `thread ${tid}: ${(err as Error).message}`;
       }
     }
+    return refused;
   }
 
   async destroy(): Promise<void> {

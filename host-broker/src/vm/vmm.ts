@@ -108,8 +108,11 @@ export interface Vm {
    */
   snapshot(stateFile: string): Promise<{ ms: number; stateBytes: number }>;
   stats(): Promise<VmStats>;
-  /** Sets the nice value of every VMM thread (a standby VM handed to a session goes back to 0). */
-  setNiceness(n: number): void;
+  /**
+   * Sets the nice value of every VMM thread (a standby VM handed to a session goes back to
+   * 0). Returns why it could not, for a thread that refused (lowering needs CAP_SYS_NICE).
+   */
+  setNiceness(n: number): string | undefined;
   /** Kills the VMM and removes its runtime directory. */
   destroy(): Promise<void>;
 }

@@ -1,0 +1,119 @@
+import { afterEach, describe, expect, it } from 'vitest';
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, unlinkSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { startAgent, type AgentProcess } from './helpers/agent-process.ts';
+import { Workspace } from '../guest-agent/src/workspace/confine.ts';
+import { WorkspaceMirror } from '../host-broker/src/sync/workspace-mirror.ts';
+import type { SyncEntry } from '../guest-agent/src/protocol/methods.ts';
+
+/**
+ * Between two calls a guest can change /work on its own (a background server writing its
+ * log) while the host changes it too (an edit tool). The next call pushes the host's
+ * changes and takes a new sync marker; what the guest changed before that push must still
+ * be pulled after the call, or it never reaches the host (the VM may be discarded later).
+ */
+async function changed(client: AgentProcess['client'], since: string): Promise<string[]> {
+  const out: SyncEntry[] = [];
+  await client.syncChanges({ since }, (b) => void out.push(...b.changes));
+  return out.map((e) => `${e.kind}:${Buffer.from(e.path).toString()}`).sort();
+}
+
+function project(): string {
+  const dir = mkdtempSync(join(tmpdir(), 'hutch-pushmark-'));
+  mkdirSync(join(dir, 'src/lib'), { recursive: true });
+  writeFileSync(join(dir, 'src/lib/a.py'), 'print(1)\n');
+  writeFileSync(join(dir, 'src/main.py'), 'import lib\n');
+  writeFileSync(join(dir, 'run.sh'), '#!/bin/sh\n', { mode: 0o755 });
+  mkdirSync(join(dir, 'old/deep'), { recursive: true });
+  writeFileSync(join(dir, 'old/deep/x.txt'), 'x');
+  return dir;
+}
+
+describe('a push between calls keeps what the guest changed since the last pull', () => {
+  let agent: AgentProcess | undefined;
+  const dirs: string[] = [];
+  afterEach(async () => {
+    await agent?.stop();
+    for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true });
+  });
+
+  async function started(): Promise<{ host: string; mirror: WorkspaceMirror; marker: string }> {
+    agent = await startAgent();
+    const host = project();
+    dirs.push(host);
+    const mirror = new WorkspaceMirror(new Workspace(host), undefined, { durable: false });
+    const pushed = await mirror.push(agent.client, undefined, { fresh: true, mark: true });
+    // A first call: the guest writes, the broker pulls.
+    writeFileSync(join(agent.root, 'out.txt'), 'call 1');
+    const pulled = await mirror.pull(agent.client, pushed.marker?.marker as string, 1 << 20);
+    expect(readFileSync(join(host, 'out.txt'), 'utf8')).toBe('call 1');
+    return { host, mirror, marker: pulled.marker };
+  }
+
+  it('host edits pushed with `since`: the marker builds on the last pull, the guest\'s own changes come back after the call', async () => {
+    const { host, mirror, marker } = await started();
+    const guest = agent as AgentProcess;
+    // The guest, between calls: a log appears, a file changes, one goes away.
+    writeFileSync(join(guest.root, 'server.log'), 'listening on :8000\n');
+    writeFileSync(join(guest.root, 'out.txt'), 'rewritten by a background job');
+    unlinkSync(join(guest.root, 'run.sh'));
+    // The host, between calls: an edit, a new directory, a removed tree.
+    writeFileSync(join(host, 'src/lib/a.py'), 'print(2)\n');
+    mkdirSync(join(host, 'new'));
+    writeFileSync(join(host, 'new/n.txt'), 'n');
+    rmSync(join(host, 'old'), { recursive: true });
+    const pushed = await mirror.push(guest.client, ['src/lib/a.py', 'new', 'old'], { mark: true, markOnlyIfSent: true, since: marker });
+    expect(pushed.sent).toBe(4); // old removed, new, new/n.txt, a.py
+    expect(pushed.marker?.markedBy).toBe('recorded');
+    // What the host pushed is not a guest change; what the guest did is.
+    expect(await changed(guest.client, pushed.marker?.marker as string)).toEqual(['deleted:run.sh', 'file:out.txt', 'file:server.log']);
+    // The record equals what a scan finds now, apart from those three.
+    const scanned = await guest.client.call('sync.mark', {});
+    expect(pushed.marker?.entries).toBe(scanned.entries); // run.sh gone, server.log new: the same count
+    const after = await mirror.pull(guest.client, pushed.marker?.marker as string, 1 << 20);
+    expect(after.stats.errors).toEqual([]);
+    expect(readFileSync(join(host, 'server.log'), 'utf8')).toBe('listening on :8000\n');
+    expect(readFileSync(join(host, 'out.txt'), 'utf8')).toBe('rewritten by a background job');
+    expect(existsSync(join(host, 'run.sh'))).toBe(false);
+    expect(readFileSync(join(host, 'src/lib/a.py'), 'utf8')).toBe('print(2)\n');
+    expect(existsSync(join(host, 'old'))).toBe(false);
+    expect(await changed(guest.client, after.marker)).toEqual([]);
+  });
+
+  it('a host change the guest already has sends nothing and takes no marker: the last pull\'s marker still sees the guest\'s changes', async () => {
+    const { host, mirror, marker } = await started();
+    const guest = agent as AgentProcess;
+    writeFileSync(join(guest.root, 'server.log'), 'up\n');
+    // The watcher saw the pull's own write of out.txt: the host has what the guest has.
+    const pushed = await mirror.push(guest.client, ['out.txt'], { mark: true, markOnlyIfSent: true, since: marker });
+    expect(pushed.sent).toBe(0);
+    expect(pushed.marker).toBeUndefined();
+    expect(await changed(guest.client, marker)).toEqual(['file:server.log']);
+    expect(existsSync(join(host, 'server.log'))).toBe(false);
+  });
+
+  it('a directory the host replaced by a file leaves nothing of its tree in the record', async () => {
+    const { host, mirror, marker } = await started();
+    const guest = agent as AgentProcess;
+    rmSync(join(host, 'src/lib'), { recursive: true });
+    writeFileSync(join(host, 'src/lib'), 'now a file\n');
+    const pushed = await mirror.push(guest.client, ['src/lib'], { mark: true, markOnlyIfSent: true, since: marker });
+    expect(pushed.marker?.markedBy).toBe('recorded');
+    expect(readFileSync(join(guest.root, 'src/lib'), 'utf8')).toBe('now a file\n');
+    expect(await changed(guest.client, pushed.marker?.marker as string)).toEqual([]);
+    // The same without a delete first: a write straight over a directory replaces its tree.
+    const direct = await guest.client.syncApply([{ op: 'write', path: Buffer.from('old'), mode: 0o644, data: Buffer.from('flat\n') }], { since: pushed.marker?.marker as string, mark: true });
+    expect({ failed: direct.failed, markedBy: direct.markedBy }).toEqual({ failed: [], markedBy: 'recorded' });
+    expect(await changed(guest.client, direct.marker as string)).toEqual([]);
+  });
+
+  it('an unknown `since` marker falls back to a scan (the marker is still right for what was pushed)', async () => {
+    const { host, mirror } = await started();
+    const guest = agent as AgentProcess;
+    writeFileSync(join(host, 'src/main.py'), 'import lib  # host\n');
+    const pushed = await mirror.push(guest.client, ['src/main.py'], { mark: true, markOnlyIfSent: true, since: 'feedfacefeedface' });
+    expect(pushed.marker?.markedBy).toBe('scan');
+    expect(await changed(guest.client, pushed.marker?.marker as string)).toEqual([]);
+  });
+});
