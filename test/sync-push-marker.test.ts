@@ -108,6 +108,34 @@ describe('a push between calls keeps what the guest changed since the last pull'
     expect(await changed(guest.client, direct.marker as string)).toEqual([]);
   });
 
+  it('a push that removes many directories (or removes one and fills it again) still records its marker, in one pass', async () => {
+    const { host, mirror, marker } = await started();
+    const guest = agent as AgentProcess;
+    // A tenant can make the host side remove any number of directories before a call.
+    for (let i = 0; i < 200; i++) {
+      mkdirSync(join(host, `many/d${i}/sub`), { recursive: true });
+      writeFileSync(join(host, `many/d${i}/sub/f.txt`), `${i}`);
+    }
+    const made = await mirror.push(guest.client, ['many'], { mark: true, markOnlyIfSent: true, since: marker });
+    expect(made.marker?.markedBy).toBe('recorded');
+    const paths = Array.from({ length: 200 }, (_, i) => `many/d${i}`);
+    for (const p of paths) rmSync(join(host, p), { recursive: true });
+    // One of them comes back with other contents; src/lib is replaced the same way.
+    mkdirSync(join(host, 'many/d7'));
+    writeFileSync(join(host, 'many/d7/new.txt'), 'new');
+    rmSync(join(host, 'src/lib'), { recursive: true });
+    mkdirSync(join(host, 'src/lib'));
+    writeFileSync(join(host, 'src/lib/b.py'), 'print(3)\n');
+    writeFileSync(join(guest.root, 'bg.txt'), 'written by the guest meanwhile');
+    const removed = await mirror.push(guest.client, [...paths, 'src/lib'], { mark: true, markOnlyIfSent: true, since: made.marker?.marker as string });
+    expect(removed.marker?.markedBy).toBe('recorded');
+    // Nothing of the removed trees is left in the record; the guest's own write still shows.
+    expect(await changed(guest.client, removed.marker?.marker as string)).toEqual(['file:bg.txt']);
+    expect(readFileSync(join(guest.root, 'many/d7/new.txt'), 'utf8')).toBe('new');
+    expect(existsSync(join(guest.root, 'many/d7/sub'))).toBe(false);
+    expect(existsSync(join(guest.root, 'src/lib/a.py'))).toBe(false);
+  });
+
   it('an unknown `since` marker falls back to a scan (the marker is still right for what was pushed)', async () => {
     const { host, mirror } = await started();
     const guest = agent as AgentProcess;

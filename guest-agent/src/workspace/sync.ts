@@ -69,7 +69,7 @@ export class WorkspaceSync {
    * of a fresh push, or the manifest of the marker the broker last pulled from. `m` is null
    * once it cannot be trusted (`mark` then scans).
    */
-  private recording: { from: string; m: Manifest | null } | undefined;
+  private recording: (PushRecord & { from: string; m: Manifest | null }) | undefined;
 
   constructor(
     readonly ws: Workspace,
@@ -101,7 +101,7 @@ export class WorkspaceSync {
     const parents = new SyncParentCache(rootFd);
     const from = opts.fresh ? FRESH : opts.since;
     if (from === undefined) this.recording = undefined;
-    else if (this.recording?.from !== from) this.recording = { from, m: this.recordStart(from, rootFd) };
+    else if (this.recording?.from !== from) this.recording = { from, m: this.recordStart(from, rootFd), seq: 0, gone: new Map(), setAt: new Map() };
     const rec = this.recording;
     try {
       for (const [index, c] of changes.entries()) {
@@ -111,7 +111,7 @@ export class WorkspaceSync {
           const st = rec?.from === FRESH && rec.m ? this.applyIntoEmpty(parents, c, content) : undefined;
           if (st === undefined) await this.applyOne(parents, c, content);
           applied++;
-          if (rec?.m && !recordApplied(rec.m, parents, c, st)) rec.m = null;
+          if (rec?.m && !recordApplied(rec.m, rec, parents, c, st)) rec.m = null;
         } catch (err) {
           const e = toHutchError(err, { path: nameFromBytes(c.path) });
           failed.push({ index, path: c.path, code: e.code, message: e.message });
@@ -124,7 +124,10 @@ export class WorkspaceSync {
     }
     if (!opts.mark) return { applied, failed };
     this.recording = undefined;
-    if (rec?.m) return { applied, failed, marker: this.remember(rec.m), entries: rec.m.size, markedBy: 'recorded' };
+    if (rec?.m) {
+      dropRemovedTrees(rec.m, rec);
+      return { applied, failed, marker: this.remember(rec.m), entries: rec.m.size, markedBy: 'recorded' };
+    }
     return { applied, failed, ...(await this.mark()), markedBy: 'scan' };
   }
 
@@ -459,20 +462,35 @@ export class WorkspaceSync {
 /** A path changing kind (dir -> file, file -> symlink, ...) loses its old entry first. */
 /** A push's record that starts from an empty /work (apply's `fresh`). */
 const FRESH = '';
+/**
+ * What a push removed, to take out of its record once at mark time: a directory removed
+ * (deleted, or replaced by a file or link) takes its whole tree with it, except what the
+ * push put back under it afterwards. Sequence numbers order the two, and one pass over the
+ * record does it however many directories a push removes.
+ */
+interface PushRecord {
+  seq: number;
+  /** Directories removed, with when. */
+  gone: Map<string, number>;
+  /** Entries this push set, with when (entries from the base marker have none). */
+  setAt: Map<string, number>;
+}
 
 /**
  * Puts an applied entry into a push's record as scan() would see it (`stat`: its fstat,
  * taken when it was created). False when the record can no longer be trusted (an entry a
  * scan would skip or see otherwise than pushed).
  */
-function recordApplied(m: Manifest, parents: SyncParentCache, c: SyncChange, stat?: BigIntStats): boolean {
+function recordApplied(m: Manifest, rec: PushRecord, parents: SyncParentCache, c: SyncChange, stat?: BigIntStats): boolean {
   const parts = splitSyncPath(c.path);
   if (parts.some((p) => isAtomicTempName(nameFromBytes(p)))) return false;
   const key = nameFromBytes(c.path);
-  const was = m.get(key);
+  const seq = ++rec.seq;
+  const wasDir = m.get(key)?.kind === 'dir';
   if (c.op === 'delete') {
     m.delete(key);
-    if (was?.kind === 'dir') dropUnder(m, key);
+    rec.setAt.delete(key);
+    if (wasDir) rec.gone.set(key, seq);
     return true;
   }
   const dir = stat ? undefined : parents.get(parts);
@@ -487,15 +505,25 @@ function recordApplied(m: Manifest, parents: SyncParentCache, c: SyncChange, sta
     e.target = Buffer.from(c.target);
   }
   // A directory replaced by a file or a link took its whole tree with it (clearForReplace).
-  if (was?.kind === 'dir' && kind !== 'dir') dropUnder(m, key);
+  if (wasDir && kind !== 'dir') rec.gone.set(key, seq);
   m.set(key, e);
+  rec.setAt.set(key, seq);
   return true;
 }
 
-/** Forgets everything below `key` (a directory that is gone). */
-function dropUnder(m: Manifest, key: string): void {
-  const under = `${key}/`;
-  for (const k of m.keys()) if (k.startsWith(under)) m.delete(k);
+/** Takes out of the record what lay under a directory the push removed, unless the push set it again after. */
+function dropRemovedTrees(m: Manifest, rec: PushRecord): void {
+  if (rec.gone.size === 0) return;
+  for (const key of m.keys()) {
+    const set = rec.setAt.get(key) ?? 0;
+    for (let i = key.indexOf('/'); i !== -1; i = key.indexOf('/', i + 1)) {
+      const removed = rec.gone.get(key.slice(0, i));
+      if (removed !== undefined && removed > set) {
+        m.delete(key);
+        break;
+      }
+    }
+  }
 }
 
 async function clearForReplace(dir: number, name: Buffer, kind: 'file' | 'dir' | 'symlink'): Promise<void> {
