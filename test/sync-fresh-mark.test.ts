@@ -65,20 +65,23 @@ describe('a fresh push records its own sync marker', () => {
     expect(await changed(agent.client, pushed.marker?.marker as string)).toEqual([]);
   });
 
-  it('a name a scan skips (an in-flight temp file) or a delete drops the record: the marker comes from a scan', async () => {
+  it('a name a scan skips (an in-flight temp file, and all under one) stays out of the record as out of a scan; a fresh push into a non-empty /work scans', async () => {
     agent = await startAgent();
     const b = (x: string) => Buffer.from(x);
     const r = await agent.client.syncApply(
       [
         { op: 'mkdir', path: b('d'), mode: 0o755 },
         { op: 'write', path: b('d/.x.hutch-abcdef.tmp'), mode: 0o644, data: b('looks like ours') },
+        { op: 'mkdir', path: b('d/.t.hutch-abcdef.tmp'), mode: 0o755 },
+        { op: 'write', path: b('d/.t.hutch-abcdef.tmp/inner.txt'), mode: 0o644, data: b('under a temp name') },
         { op: 'write', path: b('d/kept.txt'), mode: 0o644, data: b('k') },
       ],
       { fresh: true, mark: true },
     );
     expect(r.failed).toEqual([]);
-    expect(r.markedBy).toBe('scan');
+    expect(r.markedBy).toBe('recorded');
     expect(r.entries).toBe(2);
+    expect((await agent.client.call('sync.mark', {})).entries).toBe(2);
     expect(await changed(agent.client, r.marker as string)).toEqual([]);
     const d = await agent.client.syncApply([{ op: 'delete', path: b('d/kept.txt') }], { fresh: true, mark: true });
     expect(d.markedBy).toBe('scan');

@@ -91,8 +91,8 @@ export class WorkspaceSync {
    *   log between two calls) still differs from the new marker and is pulled after the
    *   call. A scan here would take those changes as the baseline and they would never reach
    *   the host.
-   * Anything that makes the record doubtful (a failed entry, a name a scan would skip, an
-   * unknown marker) drops it and `mark` scans.
+   * Anything that makes the record doubtful (a failed entry, an entry found otherwise than
+   * pushed, an unknown marker) drops it and `mark` scans.
    */
   async apply(changes: SyncChange[], content: ContentSource, opts: { fresh?: boolean; mark?: boolean; since?: string | undefined } = {}): Promise<ResultOf<'sync.apply'>> {
     let applied = 0;
@@ -478,12 +478,13 @@ interface PushRecord {
 
 /**
  * Puts an applied entry into a push's record as scan() would see it (`stat`: its fstat,
- * taken when it was created). False when the record can no longer be trusted (an entry a
- * scan would skip or see otherwise than pushed).
+ * taken when it was created). False when the record can no longer be trusted (an entry
+ * found otherwise than pushed: something raced the push).
  */
 function recordApplied(m: Manifest, rec: PushRecord, parents: SyncParentCache, c: SyncChange, stat?: BigIntStats): boolean {
   const parts = splitSyncPath(c.path);
-  if (parts.some((p) => isAtomicTempName(nameFromBytes(p)))) return false;
+  // A scan never lists an in-flight temp name nor anything under one: neither does the record.
+  if (parts.some((p) => isAtomicTempName(nameFromBytes(p)))) return true;
   const key = nameFromBytes(c.path);
   const seq = ++rec.seq;
   const wasDir = m.get(key)?.kind === 'dir';

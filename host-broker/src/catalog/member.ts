@@ -16,7 +16,7 @@ import { GatewayCredential } from '../gateway/credential.ts';
 import { Catalog, checkBrokerId, type BrokerRecord } from './catalog.ts';
 
 export interface ClusterOptions {
-  /** redis://host:port of the catalog. */
+  /** redis://host:port (or rediss:// for TLS) of the catalog. */
   catalogUrl: string;
   /** Stable across restarts on one node (its sessions' workspaces live there): default the host name. */
   brokerId?: string;

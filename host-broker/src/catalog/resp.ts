@@ -5,13 +5,18 @@
  * GET, MGET, DEL, SADD/SREM/SMEMBERS, EVAL) on one connection with request/response
  * matching; no pub/sub, cluster mode, or RESP3. That is ~150 lines that we can read whole,
  * against a dependency tree whose install churn every helper would share. If the catalog
- * ever needs Sentinel/Cluster or TLS, switch to node-redis (v4+ runs on Node 20).
+ * ever needs Sentinel/Cluster, switch to node-redis (v4+ runs on Node 20).
+ *
+ * `rediss://` speaks TLS (node:tls): the server's certificate is always verified, against
+ * the system's CAs plus NODE_EXTRA_CA_CERTS (Node's own variable for a private CA), and its
+ * name against the host in the address. There is deliberately no option to skip either.
  *
  * Semantics: commands are pipelined in order; replies are matched FIFO. A dropped
  * connection fails every pending command with `unavailable` and the next command
  * reconnects. Every command has a deadline, so a hung Redis cannot hold a caller forever.
  */
-import { connect, type Socket } from 'node:net';
+import { connect, isIP, type Socket } from 'node:net';
+import { connect as tlsConnect, type SecureContextOptions } from 'node:tls';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 
 export type RespValue = string | number | null | RespValue[];
@@ -22,13 +27,15 @@ interface Pending {
   timer: NodeJS.Timeout;
 }
 
-/** Parsed `redis://[:password@]host:port[/db]`. */
+/** Parsed `redis[s]://[:password@]host:port[/db]`. */
 export interface RedisAddress {
   host: string;
   port: number;
   password?: string;
   username?: string;
   db?: number;
+  /** rediss://: TLS, the server's certificate verified. */
+  tls?: boolean;
 }
 
 export function parseRedisUrl(url: string): RedisAddress {
@@ -36,9 +43,9 @@ export function parseRedisUrl(url: string): RedisAddress {
   try {
     u = new URL(url);
   } catch {
-    throw new HutchError('bad_request', `catalog address ${JSON.stringify(url)}: expected redis://host:port`);
+    throw new HutchError('bad_request', `catalog address ${JSON.stringify(url)}: expected redis://host:port or rediss://host:port`);
   }
-  if (u.protocol !== 'redis:') throw new HutchError('bad_request', `catalog address ${JSON.stringify(url)}: only redis:// is supported`);
+  if (u.protocol !== 'redis:' && u.protocol !== 'rediss:') throw new HutchError('bad_request', `catalog address ${JSON.stringify(url)}: only redis:// and rediss:// (TLS) are supported`);
   const db = u.pathname.length > 1 ? Number(u.pathname.slice(1)) : undefined;
   if (db !== undefined && (!Number.isInteger(db) || db < 0)) throw new HutchError('bad_request', `catalog address ${JSON.stringify(url)}: bad database number`);
   return {
@@ -47,7 +54,13 @@ export function parseRedisUrl(url: string): RedisAddress {
     ...(u.password ? { password: decodeURIComponent(u.password) } : {}),
     ...(u.username ? { username: decodeURIComponent(u.username) } : {}),
     ...(db !== undefined ? { db } : {}),
+    ...(u.protocol === 'rediss:' ? { tls: true } : {}),
   };
+}
+
+/** How an address is shown in errors and logs: never with its password. */
+function shown(a: RedisAddress): string {
+  return `${a.tls ? 'rediss' : 'redis'}://${a.host}:${a.port}`;
 }
 
 /** Thrown for an error reply (`-ERR ...`): Redis understood and refused; not a transport failure. */
@@ -63,6 +76,8 @@ export class RespClient {
   constructor(
     readonly address: RedisAddress,
     private readonly timeoutMs = 2000,
+    /** For rediss://: CAs to trust instead of the system's (tests; operators use NODE_EXTRA_CA_CERTS). */
+    private readonly tlsCa?: SecureContextOptions['ca'],
   ) {}
 
   /** Sends one command; resolves with its reply (error replies reject with RedisReplyError). */
@@ -98,16 +113,22 @@ export class RespClient {
 
   private async open(): Promise<Socket> {
     const { host, port } = this.address;
+    const where = shown(this.address);
     const socket = await new Promise<Socket>((resolve, reject) => {
-      const s = connect({ host, port });
+      // The connect deadline covers the TLS handshake too: a server that accepts and never answers is down.
+      const s = this.address.tls
+        ? tlsConnect({ host, port, ...(isIP(host) ? {} : { servername: host }), minVersion: 'TLSv1.2', ...(this.tlsCa ? { ca: this.tlsCa } : {}) })
+        : connect({ host, port });
       const timer = setTimeout(() => s.destroy(new Error(`connect timed out after ${this.timeoutMs} ms`)), this.timeoutMs);
-      s.once('connect', () => {
+      s.once(this.address.tls ? 'secureConnect' : 'connect', () => {
         clearTimeout(timer);
         resolve(s);
       });
       s.once('error', (err) => {
         clearTimeout(timer);
-        reject(new HutchError('unavailable', `catalog redis://${host}:${port} unreachable: ${err.message}`, { catalog: `${host}:${port}` }));
+        const code = (err as NodeJS.ErrnoException).code;
+        const why = code && !err.message.includes(code) ? `${err.message} (${code})` : err.message;
+        reject(new HutchError('unavailable', `catalog ${where} unreachable: ${why}`, { catalog: `${host}:${port}` }));
       });
     });
     socket.setNoDelay(true);
@@ -116,7 +137,7 @@ export class RespClient {
     socket.on('error', () => undefined); // 'close' follows and fails what is pending
     socket.on('close', () => {
       if (this.socket === socket) this.socket = undefined;
-      this.fail(new HutchError('unavailable', `catalog redis://${host}:${port}: connection lost`, { catalog: `${host}:${port}` }));
+      this.fail(new HutchError('unavailable', `catalog ${where}: connection lost`, { catalog: `${host}:${port}` }));
     });
     this.socket = socket;
     if (this.address.password !== undefined) await this.send(socket, this.address.username ? ['AUTH', this.address.username, this.address.password] : ['AUTH', this.address.password]);

@@ -15,7 +15,7 @@ export const GATEWAY_HELP = `gateway options (hutch gateway: one endpoint in fro
   --host ADDR       listen address (default 127.0.0.1)
   --token T / --tokens-file F
                     tenant tokens, as for serve (env HUTCH_TOKEN); checked here, carried to brokers
-  --catalog URL     the catalog, redis://host:port (env HUTCH_CATALOG)
+  --catalog URL     the catalog, redis://host:port or rediss://host:port (TLS; env HUTCH_CATALOG)
   --gateway-token-file F
                     the gateway-to-broker credential (env HUTCH_GATEWAY_TOKEN), shared with the brokers
   --sample K        brokers sampled per placement (default 2)
@@ -24,7 +24,7 @@ export const GATEWAY_HELP = `gateway options (hutch gateway: one endpoint in fro
   --max-connections N, --max-frame-mib N, --log-level L, --ready-json: as for serve
 
 cluster options of serve (a broker behind gateways):
-  --catalog URL     register in this catalog (env HUTCH_CATALOG); without it the broker stands alone
+  --catalog URL     register in this catalog, redis:// or rediss:// (TLS) (env HUTCH_CATALOG); without it the broker stands alone
   --broker-id ID    stable id of this broker (default: the host name; its sessions live on this node)
   --advertise-url U where gateways reach this broker (default ws://<host name>:<port>)
   --lease-ms N      registration lease, renewed every third of it (default 10000)

@@ -38,7 +38,7 @@ export interface GatewayOptions {
   port: number;
   host?: string;
   principals: Principals;
-  /** redis://host:port of the catalog. */
+  /** redis://host:port (or rediss:// for TLS) of the catalog. */
   catalogUrl: string;
   catalogPrefix?: string;
   /** The gateway-to-broker credential. */
