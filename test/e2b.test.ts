@@ -152,6 +152,25 @@ describe('the e2b SDK against hutch', () => {
     await fetch(`${base}/e2b/api/sandboxes/${made.sandboxID}`, { method: 'DELETE', headers: { 'X-API-KEY': b.token } });
   });
 
+  it("templateID: E2B's `base` (and hutch's `default`) is the default image; another name is a hutch template or a clear error, never the default image in its place", async () => {
+    const create = (body: unknown) => fetch(`${base}/e2b/api/v2/sandboxes`, { method: 'POST', headers: { 'X-API-KEY': b.token, 'content-type': 'application/json' }, body: JSON.stringify(body) });
+    for (const templateID of ['base', 'default']) {
+      const res = await create({ templateID });
+      expect(res.status).toBe(201);
+      const made = (await res.json()) as { sandboxID: string; templateID: string };
+      expect(made.templateID).toBe(templateID);
+      await fetch(`${base}/e2b/api/sandboxes/${made.sandboxID}`, { method: 'DELETE', headers: { 'X-API-KEY': b.token } });
+    }
+    // unsafe-local has no templates: a named one is refused, saying what it does serve.
+    const named = await create({ templateID: 'my-python-env' });
+    expect(named.status).toBe(400);
+    expect(await named.text()).toMatch(/my-python-env.*no templates.*only 'base'/);
+    // A name that cannot be a template at all (a path) is a bad request too.
+    const bad = await create({ templateID: '../../etc' });
+    expect(bad.status).toBe(400);
+    expect((await (await fetch(`${base}/e2b/api/v2/sandboxes`, { headers: { 'X-API-KEY': b.token } })).json()) as unknown[]).toEqual([]);
+  });
+
   it('stdin: SendInput and CloseStdin reach a background command started with stdin', async () => {
     const sbx = await Sandbox.create(opts(b.token));
     const h = await sbx.commands.run('tr a-z A-Z', { background: true, stdin: true });
@@ -221,6 +240,10 @@ describe('pause and connect with a real VM', { tags: ['vm'] }, () => {
   });
 
   it('a file and a ~/.gitconfig change survive pause then Sandbox.connect', async () => {
+    // A template this broker does not have is named in a 404 (no VM is started for it).
+    const missing = await fetch(`${qbase}/e2b/api/v2/sandboxes`, { method: 'POST', headers: { 'X-API-KEY': q.token, 'content-type': 'application/json' }, body: JSON.stringify({ templateID: 'no-such-template' }) });
+    expect(missing.status).toBe(404);
+    expect(await missing.text()).toContain('no-such-template');
     const o = { apiKey: q.token, apiUrl: `${qbase}/e2b/api`, sandboxUrl: `${qbase}/e2b/envd`, timeoutMs: 1_800_000 };
     const sbx = await Sandbox.create(o);
     await sbx.files.write('/work/kept.txt', 'kept\n');

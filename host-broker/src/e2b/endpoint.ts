@@ -19,6 +19,7 @@ import type { IncomingMessage, ServerResponse } from 'node:http';
 import type { Stats } from 'node:fs';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import { DEFAULT_TEMPLATE } from '../templates/store.ts';
 import { readDirAt, readFileAt } from '../../../guest-agent/src/workspace/fd-path.ts';
 import { nameFromBytes } from '../../../guest-agent/src/workspace/names.ts';
 import type { Principals } from '../api/principals.ts';
@@ -288,8 +289,14 @@ export class E2bEndpoint {
     const metadata = stringRecord(body['metadata'], 'metadata');
     const envVars = stringRecord(body['envVars'], 'envVars');
     const timeout = timeoutSeconds(body['timeout'], DEFAULT_TIMEOUT_S);
-    // hutch has one sandbox image; every template name gets it (the name is kept and reported).
-    const s = await this.o.sessions.create({}, principal);
+    // E2B's default template is `base`, hutch's `default`; any other name must be a hutch
+    // template (`hutch template ls`). A sandbox handed the default image in place of the one
+    // asked for would fail later, and less clearly, when a tool its template had is missing.
+    const template = templateID === 'base' || templateID === DEFAULT_TEMPLATE ? undefined : templateID;
+    const s = await this.o.sessions.create(template ? { template } : {}, principal).catch((err: unknown) => {
+      if (template && err instanceof HutchError && err.code === 'unavailable') throw new ApiError(400, `template ${JSON.stringify(template)}: ${err.message}; this broker serves only 'base'`);
+      throw err;
+    });
     const now = new Date();
     const sb: Sandbox = { id: s.id, principal, templateID, metadata, envVars, accessToken: randomBytes(24).toString('hex'), startedAt: now, endAt: now, state: 'running', timer: undefined, procs: new Map(), watchers: new Map(), watches: 0 };
     this.sandboxes.set(sb.id, sb);
