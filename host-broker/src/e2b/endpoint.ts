@@ -19,7 +19,6 @@ import type { IncomingMessage, ServerResponse } from 'node:http';
 import type { Stats } from 'node:fs';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
-import { DEFAULT_TEMPLATE } from '../templates/store.ts';
 import { readDirAt, readFileAt } from '../../../guest-agent/src/workspace/fd-path.ts';
 import { nameFromBytes } from '../../../guest-agent/src/workspace/names.ts';
 import type { Principals } from '../api/principals.ts';
@@ -289,10 +288,11 @@ export class E2bEndpoint {
     const metadata = stringRecord(body['metadata'], 'metadata');
     const envVars = stringRecord(body['envVars'], 'envVars');
     const timeout = timeoutSeconds(body['timeout'], DEFAULT_TIMEOUT_S);
-    // E2B's default template is `base`, hutch's `default`; any other name must be a hutch
-    // template (`hutch template ls`). A sandbox handed the default image in place of the one
-    // asked for would fail later, and less clearly, when a tool its template had is missing.
-    const template = templateID === 'base' || templateID === DEFAULT_TEMPLATE ? undefined : templateID;
+    // E2B's default template is `base` (hutch's own name for it, `default`, the session
+    // manager knows); any other name must be a hutch template (`hutch template ls`). A sandbox
+    // handed the default image in place of the one asked for would fail later, and less
+    // clearly, when a tool its template had is missing.
+    const template = templateID === 'base' ? undefined : templateID;
     const s = await this.o.sessions.create(template ? { template } : {}, principal).catch((err: unknown) => {
       if (template && err instanceof HutchError && err.code === 'unavailable') throw new ApiError(400, `template ${JSON.stringify(template)}: ${err.message}; this broker serves only 'base'`);
       throw err;
