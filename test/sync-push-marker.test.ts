@@ -1,5 +1,5 @@
 import { afterEach, describe, expect, it } from 'vitest';
-import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, unlinkSync, writeFileSync } from 'node:fs';
+import { chmodSync, existsSync, mkdirSync, mkdtempSync, readFileSync, readlinkSync, rmSync, symlinkSync, unlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { startAgent, type AgentProcess } from './helpers/agent-process.ts';
@@ -134,6 +134,70 @@ describe('a push between calls keeps what the guest changed since the last pull'
     expect(readFileSync(join(guest.root, 'many/d7/new.txt'), 'utf8')).toBe('new');
     expect(existsSync(join(guest.root, 'many/d7/sub'))).toBe(false);
     expect(existsSync(join(guest.root, 'src/lib/a.py'))).toBe(false);
+  });
+
+  it('an entry a background process changed under the push is recorded as unknown: it and everything else the guest changed is still pulled', async () => {
+    const { host, mirror, marker } = await started();
+    const guest = agent as AgentProcess;
+    // Between the pull and the push a background job writes a log and swaps run.sh for a link;
+    // the host meanwhile only changes run.sh's mode, which the push applies as a chmod.
+    writeFileSync(join(guest.root, 'bg.log'), 'job done\n');
+    unlinkSync(join(guest.root, 'run.sh'));
+    symlinkSync('src/main.py', join(guest.root, 'run.sh'));
+    chmodSync(join(host, 'run.sh'), 0o700);
+    const pushed = await guest.client.syncApply([{ op: 'chmod', path: Buffer.from('run.sh'), mode: 0o700 }], { since: marker, mark: true });
+    expect(pushed.failed).toEqual([]);
+    // A scan here would have taken bg.log as the baseline: it would never reach the host.
+    expect(pushed.markedBy).toBe('recorded');
+    expect(await changed(guest.client, pushed.marker as string)).toEqual(['file:bg.log', 'symlink:run.sh']);
+    const after = await mirror.pull(guest.client, pushed.marker as string, 1 << 20);
+    expect(after.stats.errors).toEqual([]);
+    expect(readFileSync(join(host, 'bg.log'), 'utf8')).toBe('job done\n');
+    expect(readlinkSync(join(host, 'run.sh'))).toBe('src/main.py');
+    expect(await changed(guest.client, after.marker)).toEqual([]);
+  });
+
+  it('a file the guest rewrote since the pull, then chmod-ed by a push, still comes back with the guest\'s content', async () => {
+    const { host, mirror, marker } = await started();
+    const guest = agent as AgentProcess;
+    writeFileSync(join(guest.root, 'out.txt'), 'rewritten by a background job, longer');
+    // A chmod changes only the mode: the record must not take the rewritten file as pushed.
+    const pushed = await guest.client.syncApply([{ op: 'chmod', path: Buffer.from('out.txt'), mode: 0o600 }], { since: marker, mark: true });
+    expect({ failed: pushed.failed, markedBy: pushed.markedBy }).toEqual({ failed: [], markedBy: 'recorded' });
+    expect(await changed(guest.client, pushed.marker as string)).toEqual(['file:out.txt']);
+    const pulled = await mirror.pull(guest.client, pushed.marker as string, 1 << 20);
+    expect(readFileSync(join(host, 'out.txt'), 'utf8')).toBe('rewritten by a background job, longer');
+    // A chmod of an entry the guest left alone is recorded as pushed: nothing to pull.
+    const again = await guest.client.syncApply([{ op: 'chmod', path: Buffer.from('src/main.py'), mode: 0o600 }], { since: pulled.marker, mark: true });
+    expect(again.markedBy).toBe('recorded');
+    expect(await changed(guest.client, again.marker as string)).toEqual([]);
+  });
+
+  it('an entry gone under the push is pulled as deleted, and a directory in doubt keeps its tree compared entry by entry', async () => {
+    const { host, mirror, marker } = await started();
+    const guest = agent as AgentProcess;
+    // The guest removes src/lib's file and replaces the tree's root by a file of its own; the host chmods both.
+    rmSync(join(guest.root, 'src/lib'), { recursive: true });
+    writeFileSync(join(guest.root, 'src/lib'), 'a file now\n');
+    unlinkSync(join(guest.root, 'src/main.py'));
+    const pushed = await guest.client.syncApply(
+      [
+        { op: 'chmod', path: Buffer.from('src/lib'), mode: 0o750 },
+        { op: 'chmod', path: Buffer.from('src/main.py'), mode: 0o600 },
+      ],
+      { since: marker, mark: true },
+    );
+    // chmod of a name that is gone fails the entry (and so the call): the record is dropped, as before.
+    expect(pushed.failed.map((f) => Buffer.from(f.path).toString())).toEqual(['src/main.py']);
+    expect(pushed.markedBy).toBe('scan');
+    // Without the failing entry the record stays: the directory turned file is pulled, its old file deleted.
+    const second = await guest.client.syncApply([{ op: 'chmod', path: Buffer.from('src/lib'), mode: 0o640 }], { since: marker, mark: true });
+    expect({ failed: second.failed, markedBy: second.markedBy }).toEqual({ failed: [], markedBy: 'recorded' });
+    expect(await changed(guest.client, second.marker as string)).toEqual(['deleted:src/lib/a.py', 'deleted:src/main.py', 'file:src/lib']);
+    const after = await mirror.pull(guest.client, second.marker as string, 1 << 20);
+    expect(after.stats.errors).toEqual([]);
+    expect(readFileSync(join(host, 'src/lib'), 'utf8')).toBe('a file now\n');
+    expect(existsSync(join(host, 'src/main.py'))).toBe(false);
   });
 
   it('an unknown `since` marker falls back to a scan (the marker is still right for what was pushed)', async () => {

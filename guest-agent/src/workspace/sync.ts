@@ -91,8 +91,10 @@ export class WorkspaceSync {
    *   log between two calls) still differs from the new marker and is pulled after the
    *   call. A scan here would take those changes as the baseline and they would never reach
    *   the host.
-   * Anything that makes the record doubtful (a failed entry, an entry found otherwise than
-   * pushed, an unknown marker) drops it and `mark` scans.
+   * An entry found otherwise than pushed (a background process raced the push) goes into a
+   * `since` record as unknown, so the next pull carries whatever the guest has there now.
+   * What makes the whole record doubtful (a failed entry, which fails the call anyway; an
+   * unknown marker; anything odd in a fresh push) drops it and `mark` scans.
    */
   async apply(changes: SyncChange[], content: ContentSource, opts: { fresh?: boolean; mark?: boolean; since?: string | undefined } = {}): Promise<ResultOf<'sync.apply'>> {
     let applied = 0;
@@ -111,7 +113,13 @@ export class WorkspaceSync {
           const st = rec?.from === FRESH && rec.m ? this.applyIntoEmpty(parents, c, content) : undefined;
           if (st === undefined) await this.applyOne(parents, c, content);
           applied++;
-          if (rec?.m && !recordApplied(rec.m, rec, parents, c, st)) rec.m = null;
+          if (rec?.m && !recordApplied(rec.m, rec, parents, c, st)) {
+            // A fresh push has no tenant process to race it: something is off, scan. On top
+            // of a pulled marker a scan would take every change since that pull as the
+            // baseline; only this entry is in doubt, so only it is marked to be pulled.
+            if (rec.from === FRESH) rec.m = null;
+            else recordUnknown(rec.m, rec, c.path);
+          }
         } catch (err) {
           const e = toHutchError(err, { path: nameFromBytes(c.path) });
           failed.push({ index, path: c.path, code: e.code, message: e.message });
@@ -459,7 +467,6 @@ export class WorkspaceSync {
   }
 }
 
-/** A path changing kind (dir -> file, file -> symlink, ...) loses its old entry first. */
 /** A push's record that starts from an empty /work (apply's `fresh`). */
 const FRESH = '';
 /**
@@ -500,6 +507,13 @@ function recordApplied(m: Manifest, rec: PushRecord, parents: SyncParentCache, c
   if (!st || !kind) return false;
   if (c.op !== 'chmod' && kind !== (c.op === 'write' ? 'file' : c.op === 'mkdir' ? 'dir' : 'symlink')) return false;
   const e: ManifestEntry = { kind, size: Number(st.size), mtimeNs: st.mtimeNs, ino: st.ino, mode: Number(st.mode & 0o7777n) };
+  // A chmod changes the mode only: if anything else differs from the record, the guest
+  // changed the entry since (rewrote the file, replaced a directory by a file) and taking
+  // it as pushed would hide that change from the next pull.
+  if (c.op === 'chmod') {
+    const was = m.get(key);
+    if (!was || kind === 'symlink' || !sameEntry(was, { ...e, mode: was.mode })) return false;
+  }
   if (kind === 'symlink') {
     // Only a link this push made has a known target (a scan reads it; chmod does not apply to links).
     if (c.op !== 'symlink' || c.target.length === 0) return false;
@@ -510,6 +524,19 @@ function recordApplied(m: Manifest, rec: PushRecord, parents: SyncParentCache, c
   m.set(key, e);
   rec.setAt.set(key, seq);
   return true;
+}
+
+/**
+ * An entry matches no scan: whatever the guest holds at `path` when the next pull scans
+ * (a file, a link, nothing) differs from it and is pulled. Its tree is left as recorded, so
+ * each entry under it is still compared with what the guest has.
+ */
+const UNKNOWN_ENTRY: ManifestEntry = Object.freeze({ kind: 'other', size: -1, mtimeNs: -1n, ino: -1n, mode: -1 });
+
+function recordUnknown(m: Manifest, rec: PushRecord, path: Uint8Array): void {
+  const key = nameFromBytes(path);
+  m.set(key, UNKNOWN_ENTRY);
+  rec.setAt.set(key, ++rec.seq);
 }
 
 /** Takes out of the record what lay under a directory the push removed, unless the push set it again after. */
