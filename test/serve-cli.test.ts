@@ -132,4 +132,28 @@ describe('hutch serve for a supervisor', () => {
     expect(await help.exited).toBe(0);
     expect(help.out().stdout).toMatch(/--standby N\s+VMs kept restored and warmed for the next wake \(default 1; 0 = none;/);
   }, 120_000);
+
+  it('--memory-budget-mib sets the budget /metrics reports; a value that is not a positive whole number is refused before any work', async () => {
+    for (const bad of ['0', 'abc', '1.5', '-512']) {
+      const cache = mkdtempSync(join(work, 'cache-'));
+      const s = startServe(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', 'serve', '--port', '0', '--token', token, '--data-dir', join(work, 'data-mb'), `--memory-budget-mib=${bad}`, '--log-level', 'error'], cache);
+      const code = await s.exited;
+      const { stdout, stderr } = s.out();
+      expect(code, stderr).not.toBe(0);
+      expect(stdout).toBe('');
+      expect(stderr).toContain(`--memory-budget-mib must be a whole number > 0, got "${bad}"`);
+      expect(builtArtifacts(cache)).toEqual([]);
+    }
+    const s = startServe(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', 'serve', '--port', '0', '--token', token, '--data-dir', join(work, 'data-mb-ok'), '--backend', 'unsafe-local', '--i-know-unsafe-local', '--memory-budget-mib', '3000', '--ready-json', '--log-level', 'error'], mkdtempSync(join(work, 'cache-')));
+    try {
+      const ready = JSON.parse(await s.firstLine) as { url: string };
+      const text = await (await fetch(`${ready.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${token}` } })).text();
+      expect(text).toMatch(/^hutch_memory_budget_mib 3000$/m);
+      expect(text).toMatch(/^hutch_memory_reserved_mib\{holder="vm"\} 0$/m);
+      expect(text).toMatch(/^hutch_memory_reserved_mib\{holder="standby"\} 0$/m);
+    } finally {
+      stopGroup(s.p);
+      await s.exited;
+    }
+  }, 120_000);
 });

@@ -44,6 +44,26 @@ const until = async (cond: () => boolean, ms = 2_000) => {
 };
 
 describe('StandbyPool', () => {
+  it('discard stops a ready item (a wake needs its room) and never one already taken', async () => {
+    const { p, made } = pool();
+    await p.take('k');
+    p.replenish();
+    await until(() => p.stats().ready === 1);
+    const ready = made[0] as Item;
+    expect(p.discard(ready, 'a wake needed its room')).toBe(true);
+    await until(() => ready.disposed);
+    expect(p.stats().ready).toBe(0);
+    expect(await p.take('k')).toBeUndefined();
+    // Once taken, an item is its session's VM: discard leaves it alone.
+    p.replenish();
+    await until(() => p.stats().ready === 1);
+    const taken = await p.take('k');
+    expect(taken?.id).toBe(2);
+    expect(p.discard(taken as Item, 'late')).toBe(false);
+    expect(taken?.disposed).toBe(false);
+    await p.close();
+  });
+
   it('misses first, fills only when told (after a wake), then hands each item out once', async () => {
     const { p, made } = pool();
     expect(await p.take('k')).toBeUndefined();

@@ -121,3 +121,53 @@ describe('standby VMs', { tags: ['vm'] }, () => {
     await s.close();
   }, 900_000);
 });
+
+/**
+ * A standby is memory like a live VM: it counts against the broker's memory budget, and
+ * gives its room up to a wake that needs it rather than make the wake wait or push the
+ * host past the budget.
+ */
+describe('standby VMs inside the memory budget', { tags: ['vm'] }, () => {
+  let b: TestBroker;
+  let hutch: Hutch;
+  let backend: QemuBackend;
+  // Room for two 512 MiB VMs, not three.
+  const BUDGET_MIB = 1300;
+  beforeAll(async () => {
+    b = await startBroker({ backend: 'qemu', standby: 1, idleMs: 3_600_000, admission: { memoryBudgetMiB: BUDGET_MIB } });
+    backend = b.backend as QemuBackend;
+    hutch = await b.connect();
+  }, 1_800_000);
+  afterAll(async () => {
+    await b?.stop();
+    expect(qemuPids(b.dataDir)).toEqual([]);
+  });
+
+  it('a wake that needs the standby\'s room stops it and restores its own VM; no standby fills past the budget', async () => {
+    const a = await hutch.create({ workspace: { files: { 'a.txt': 'A\n' } } });
+    expect((await a.run('cat a.txt', { route: 'vm' })).stdout).toBe('A\n');
+    // One live VM and one standby fit.
+    await waitFor(async () => backend.standby.stats().ready === 1, 300_000, 'a standby beside the live VM');
+    expect(b.broker.admission.memoryReservedMiB).toBe(1024);
+    const metrics = await (await fetch(`${b.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${b.token}` } })).text();
+    expect(metrics).toMatch(/^hutch_memory_reserved_mib\{holder="vm"\} 512$/m);
+    expect(metrics).toMatch(/^hutch_memory_reserved_mib\{holder="standby"\} 512$/m);
+    expect(metrics).toMatch(/^hutch_memory_budget_mib 1300$/m);
+
+    const c = await hutch.create({ workspace: { files: { 'c.txt': 'C\n' } } });
+    const rc = await c.run('cat c.txt', { route: 'vm' });
+    expect(rc.stdout).toBe('C\n');
+    // A third VM would not fit: the standby gave its room up instead of serving this wake
+    // on top of the budget, and none is being prepared in its place.
+    expect(rc.timing.wakePhases?.['standby']).toBeUndefined();
+    expect(rc.timing.wakePhases?.['restore']).toBeGreaterThan(0);
+    expect(backend.standby.stats()).toMatchObject({ ready: 0, filling: 0 });
+    expect(b.broker.admission.memoryReservedMiB).toBe(1024);
+    const vms = join(b.dataDir, 'vms');
+    const standbyPids = () => readdirSync(vms).filter((d) => /^standby-\d+$/.test(d)).flatMap((d) => qemuPids(join(vms, d)));
+    await waitFor(async () => standbyPids().length === 0, 60_000, 'the stopped standby\'s QEMU gone');
+    await a.close();
+    await c.close();
+    expect(b.broker.admission.memoryReservedMiB).toBe(0);
+  }, 900_000);
+});

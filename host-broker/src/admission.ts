@@ -79,6 +79,10 @@ export class Admission {
   readonly vmCalls: FifoSemaphore;
   private reservedMiB = 0;
   private readonly memWaiters: Array<() => void> = [];
+  /** Wakes inside reserveMemory: while any waits, no standby takes room (it would only be given up again). */
+  private wakesWaitingForMemory = 0;
+  /** Reservations that give their room up to a wake (standby VMs), oldest first. */
+  private readonly yielding: Array<{ mib: number; release: () => void; yieldRoom: () => void }> = [];
 
   constructor(readonly opts: AdmissionOptions) {
     this.wakes = new FifoSemaphore(opts.maxConcurrentWakes, 'wake');
@@ -89,34 +93,79 @@ export class Admission {
     return this.reservedMiB;
   }
 
-  /** Reserves memory for a VM about to wake; the returned function gives it back. */
-  /** Budget not yet reserved by live VMs, MiB. */
-  get freeMiB(): number {
-    return Math.max(0, this.opts.memoryBudgetMiB - this.reservedMiB);
+  /** Reserved by standby VMs, which a wake takes the room of when it needs it, MiB. */
+  get yieldingMiB(): number {
+    return this.yielding.reduce((n, y) => n + y.mib, 0);
   }
 
+  /** Budget a wake can have now (standbys give theirs up), MiB. */
+  get freeMiB(): number {
+    return Math.max(0, this.opts.memoryBudgetMiB - this.reservedMiB + this.yieldingMiB);
+  }
+
+  /**
+   * Reserves room for a VM that is worth less than any session's (a standby), if the budget
+   * has it now; never waits. `yieldRoom` is called when a wake needs the room: the
+   * reservation is already given back then, and the caller stops its VM. The returned
+   * function gives the room back otherwise (the VM was taken by a wake, which reserved its
+   * own, or stopped); undefined: no room.
+   */
+  reserveYielding(mib: number, yieldRoom: () => void): (() => void) | undefined {
+    if (!this.roomToYield(mib)) return undefined;
+    const entry = { mib, yieldRoom, release: this.hold(mib) };
+    this.yielding.push(entry);
+    return () => {
+      const i = this.yielding.indexOf(entry);
+      if (i >= 0) this.yielding.splice(i, 1);
+      entry.release();
+    };
+  }
+
+  /** Whether a reservation that yields (reserveYielding) would be granted now: room in the budget, and no wake waiting for room. */
+  roomToYield(mib: number): boolean {
+    return this.wakesWaitingForMemory === 0 && this.reservedMiB + mib <= this.opts.memoryBudgetMiB;
+  }
+
+  /** Reserves memory for a VM about to wake (standbys give theirs up first); the returned function gives it back. */
   async reserveMemory(mib: number, session: string): Promise<() => void> {
     if (mib > this.opts.memoryBudgetMiB) {
       throw new HutchError('too_large', `session ${session} asks for ${mib} MiB, above the host memory budget of ${this.opts.memoryBudgetMiB} MiB`, { session, mib });
     }
     const deadline = Date.now() + this.opts.queueTimeoutMs;
-    while (this.reservedMiB + mib > this.opts.memoryBudgetMiB) {
-      const left = deadline - Date.now();
-      if (left <= 0) {
-        throw new HutchError('busy', `host memory budget exhausted (${this.reservedMiB} of ${this.opts.memoryBudgetMiB} MiB reserved by live VMs); session ${session} cannot wake now`, {
-          session,
-          reservedMiB: this.reservedMiB,
-          budgetMiB: this.opts.memoryBudgetMiB,
+    this.wakesWaitingForMemory++;
+    try {
+      while (this.reservedMiB + mib > this.opts.memoryBudgetMiB) {
+        // Standbys give their room up, oldest first, but only when that makes room: a wake
+        // that must wait for live VMs anyway leaves them for the wakes before it.
+        if (this.reservedMiB - this.yieldingMiB + mib <= this.opts.memoryBudgetMiB) {
+          const standby = this.yielding.shift() as (typeof this.yielding)[number];
+          standby.release();
+          standby.yieldRoom();
+          continue;
+        }
+        const left = deadline - Date.now();
+        if (left <= 0) {
+          throw new HutchError('busy', `host memory budget exhausted (${this.reservedMiB - this.yieldingMiB} of ${this.opts.memoryBudgetMiB} MiB reserved by live VMs); session ${session} cannot wake now`, {
+            session,
+            reservedMiB: this.reservedMiB,
+            budgetMiB: this.opts.memoryBudgetMiB,
+          });
+        }
+        await new Promise<void>((resolve) => {
+          const t = setTimeout(resolve, left);
+          this.memWaiters.push(() => {
+            clearTimeout(t);
+            resolve();
+          });
         });
       }
-      await new Promise<void>((resolve) => {
-        const t = setTimeout(resolve, left);
-        this.memWaiters.push(() => {
-          clearTimeout(t);
-          resolve();
-        });
-      });
+      return this.hold(mib);
+    } finally {
+      this.wakesWaitingForMemory--;
     }
+  }
+
+  private hold(mib: number): () => void {
     this.reservedMiB += mib;
     let released = false;
     return () => {

@@ -145,6 +145,7 @@ export class Broker {
     privateDir(opts.dataDir);
     this.policy = { ...DEFAULT_POLICY, ...opts.policy, ...(opts.idleMs !== undefined ? { idleMs: opts.idleMs } : {}) };
     this.admission = new Admission({ ...defaultAdmission(), ...opts.admission });
+    opts.backend.attachMemoryBudget?.(this.admission);
     this.sessions = new SessionManager(
       opts.dataDir,
       {
@@ -223,6 +224,9 @@ export class Broker {
     this.metrics.sessions.set(all.length);
     this.metrics.admissionWaiting.set({ kind: 'wake' }, this.admission.wakes.waiting);
     this.metrics.admissionWaiting.set({ kind: 'vm_call' }, this.admission.vmCalls.waiting);
+    this.metrics.memoryBudget.set(this.admission.opts.memoryBudgetMiB);
+    this.metrics.memoryReserved.set({ holder: 'vm' }, this.admission.memoryReservedMiB - this.admission.yieldingMiB);
+    this.metrics.memoryReserved.set({ holder: 'standby' }, this.admission.yieldingMiB);
     const standby = this.opts.backend.standbyStats?.();
     if (standby) {
       this.metrics.standbyVms.set({ state: 'ready' }, standby.ready);

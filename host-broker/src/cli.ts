@@ -71,6 +71,9 @@ serve options:
   --no-build        use the cached guest image only: fail clearly instead of building it
   --standby N       VMs kept restored and warmed for the next wake (default ${DEFAULT_STANDBY}; 0 = none;
                     each costs about one idle VM's memory)
+  --memory-budget-mib N
+                    host memory the VMs may reserve, each its full size, standbys included (default 75%
+                    of RAM); a wake past it stops a standby or waits, then fails busy
   --ready-fd N      when listening, write one JSON line {"url","port",...} to file descriptor N and close it
   --ready-json      print that JSON line on stdout instead of the human-readable line
   -h, --help        this text
@@ -103,6 +106,8 @@ export interface ServeOptions {
   cluster?: ClusterOptions;
   /** Standby VMs kept warm for the next wake (qemu backend; default DEFAULT_STANDBY, 0 for none). */
   standby?: number;
+  /** Host memory the VMs may reserve, MiB (default: 75% of RAM). */
+  memoryBudgetMiB?: number;
 }
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
@@ -136,6 +141,7 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     ...(o.policy ? { policy: o.policy } : {}),
     ...(o.quota ? { quota: o.quota } : {}),
     ...(o.cluster ? { cluster: o.cluster } : {}),
+    ...(o.memoryBudgetMiB !== undefined ? { admission: { memoryBudgetMiB: o.memoryBudgetMiB } } : {}),
   });
   await broker.start();
   return broker;
@@ -220,6 +226,7 @@ async function main(): Promise<void> {
       'log-level': { type: 'string' },
       'no-build': { type: 'boolean', default: false },
       standby: { type: 'string' },
+      'memory-budget-mib': { type: 'string' },
       'ready-fd': { type: 'string' },
       'ready-json': { type: 'boolean', default: false },
       help: { type: 'boolean', short: 'h' },
@@ -255,6 +262,7 @@ async function main(): Promise<void> {
     policyLevel: values.level ?? '4',
     ...(values['no-build'] ? { noBuild: true } : {}),
     ...(values.standby !== undefined ? { standby: nonNegativeInt('--standby', values.standby, 16) } : {}),
+    ...(values['memory-budget-mib'] !== undefined ? { memoryBudgetMiB: positiveInt('--memory-budget-mib', values['memory-budget-mib']) } : {}),
     policy: { ...policyFromFlags(values.level, values['idle-ms'], values['idle-policy']), ...(values['memory-steps'] !== undefined ? { memoryPolicy: parseMemorySteps(values['memory-steps']) } : {}) },
     quota: {
       bytes: values['quota-bytes'] !== undefined ? positiveInt('--quota-bytes', values['quota-bytes']) : DEFAULT_QUOTA.bytes,

@@ -10,6 +10,7 @@ import { createFastPath } from '../../host-broker/src/tools/fastpath-factory.ts'
 import { Hutch } from '../../host-broker/src/sdk/index.ts';
 import type { SandboxPolicy } from '../../host-broker/src/policy/sandbox-policy.ts';
 import type { WsLimits } from '../../host-broker/src/api/ws-server.ts';
+import type { AdmissionOptions } from '../../host-broker/src/admission.ts';
 
 export interface TestBroker {
   broker: Broker;
@@ -40,6 +41,8 @@ export async function startBroker(
     quota?: { bytes: number; files: number };
     /** qemu: standby VMs kept warm (default none in tests, so VM counts stay what each test starts). */
     standby?: number;
+    /** Admission limits (the memory budget, queue timeout) instead of the host-sized defaults. */
+    admission?: Partial<AdmissionOptions>;
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
@@ -62,6 +65,7 @@ export async function startBroker(
     ...(o.limits ? { limits: o.limits } : {}),
     ...(o.metricsListen ? { metricsListen: o.metricsListen } : {}),
     ...(o.quota ? { quota: o.quota } : {}),
+    ...(o.admission ? { admission: o.admission } : {}),
   });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;

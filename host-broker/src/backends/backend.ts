@@ -146,6 +146,12 @@ export interface Sandbox {
   close(): Promise<void>;
 }
 
+/** The broker's memory budget as a backend sees it (admission.ts): standby VMs hold room in it that a wake takes when it needs it. */
+export interface StandbyRoom {
+  roomToYield(mib: number): boolean;
+  reserveYielding(mib: number, yieldRoom: () => void): (() => void) | undefined;
+}
+
 export interface VmBackend {
   readonly name: string;
   /** One line on what isolation this backend gives, shown to users. */
@@ -162,6 +168,8 @@ export interface VmBackend {
   pristineKey?(spec: SandboxSpec): Promise<string>;
   /** Standby VMs (restored and warmed ahead of wakes): ready to take, and being prepared. */
   standbyStats?(): { ready: number; filling: number };
+  /** Standby VMs count against the broker's memory budget from now on (the broker calls it once it has one). */
+  attachMemoryBudget?(budget: StandbyRoom): void;
   /** Starts a sandbox: from a slot when given (the session's last dirty state), else fresh. */
   start(spec: SandboxSpec, opts?: StartOptions): Promise<{ sandbox: Sandbox; wake: WakeInfo }>;
   /** Stops every sandbox and removes what the backend left on disk. */

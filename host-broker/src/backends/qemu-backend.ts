@@ -26,7 +26,7 @@ import { saveSwapDisk } from '../vm/swap-disk.ts';
 import { warmStandby } from '../vm/standby-warmup.ts';
 import { TemplateImages, type TemplateImage } from '../templates/images.ts';
 import type { Accel, Vm } from '../vm/vmm.ts';
-import type { GuestState, ReclaimInfo, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
+import type { GuestState, ReclaimInfo, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StandbyRoom, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
 
 export interface QemuBackendOptions {
   dataDir: string;
@@ -57,6 +57,8 @@ interface StandbyVm {
   vm: Vm;
   agent: AgentClient;
   readyAt: number;
+  /** Gives its room in the broker's memory budget back (taken by a wake, or stopped). */
+  releaseRoom: (() => void) | undefined;
 }
 
 /** Nice value of a standby VM while it is prepared and waits: it yields to VMs serving calls. */
@@ -88,6 +90,8 @@ export class QemuBackend implements VmBackend {
   private standbyCount = 0;
   /** Standby VMs still being prepared: a shutdown stops them rather than waiting for their warm-up. */
   private readonly preparing = new Set<Vm>();
+  /** The broker's memory budget, once attached: standbys hold room in it and give it up to wakes. */
+  private budget: StandbyRoom | undefined;
 
   private constructor(
     private readonly opts: QemuBackendOptions,
@@ -107,6 +111,7 @@ export class QemuBackend implements VmBackend {
       log: opts.log,
       fill: (key) => this.fillStandby(key),
       dispose: async (s) => {
+        s.releaseRoom?.();
         s.agent.close();
         await s.vm.destroy();
       },
@@ -133,6 +138,10 @@ export class QemuBackend implements VmBackend {
   /** Makes sure the pristine snapshot for this size exists (boots and snapshots once). */
   async prepare(size: { memoryMiB: number; cpus: number }): Promise<void> {
     await this.snapshots.pristine(this.image, { ...size, swapMiB: this.swapMiB() });
+  }
+
+  attachMemoryBudget(budget: StandbyRoom): void {
+    this.budget = budget;
   }
 
   standbyStats(): { ready: number; filling: number } {
@@ -175,6 +184,8 @@ export class QemuBackend implements VmBackend {
     if (!from && !opts.coldBoot && useStandby) {
       this.standbyKeys.set(pristine.meta.key, { template: spec.template, size });
       standby = await this.standby.take(pristine.meta.key);
+      // The wake reserved its own room before it started: the standby's is given back.
+      standby?.releaseRoom?.();
     }
     let vm: Vm;
     try {
@@ -261,10 +272,27 @@ export class QemuBackend implements VmBackend {
     if (pristine.meta.key !== key) throw new HutchError('unavailable', `standby key ${key} is stale (the pristine snapshot is now ${pristine.meta.key})`);
     const id = `standby-${++this.standbyCount}`;
     const t0 = performance.now();
-    const vm = await this.driver.restore({ id, dir: join(this.runRoot, id), image: t.image, ...k.size, niceness: STANDBY_NICENESS }, { memory: pristine.memory, state: pristine.state });
+    // A standby holds room in the broker's memory budget like a live VM, and gives it up the
+    // moment a wake needs it: stopped if ready, its preparation ended if not.
+    const self: { vm?: Vm; item?: StandbyVm; yielded: boolean } = { yielded: false };
+    const releaseRoom = this.budget?.reserveYielding(k.size.memoryMiB, () => {
+      self.yielded = true;
+      if (self.item) this.standby.discard(self.item, 'a wake needed its room in the memory budget');
+      else void self.vm?.destroy();
+    });
+    if (this.budget && !releaseRoom) throw new HutchError('busy', `no room in the memory budget for a standby VM of ${k.size.memoryMiB} MiB`);
+    let vm: Vm;
+    try {
+      vm = await this.driver.restore({ id, dir: join(this.runRoot, id), image: t.image, ...k.size, niceness: STANDBY_NICENESS }, { memory: pristine.memory, state: pristine.state });
+    } catch (err) {
+      releaseRoom?.();
+      throw err;
+    }
+    self.vm = vm;
     let agent: AgentClient | undefined;
     this.preparing.add(vm);
     try {
+      if (self.yielded) throw new HutchError('busy', 'standby stopped: a wake needed its room in the memory budget');
       agent = await connectAgent(vm, {
         timeoutMs: 15_000 * this.deadlines.scale,
         log: this.opts.log,
@@ -272,21 +300,28 @@ export class QemuBackend implements VmBackend {
         ...(this.deadAfterMs !== undefined ? { deadAfterMs: this.deadAfterMs } : {}),
       });
       const warm = await warmStandby(agent, join(this.runRoot, `${id}.warm`), 60_000 * this.deadlines.scale);
+      if (self.yielded) throw new HutchError('busy', 'standby stopped: a wake needed its room in the memory budget');
       this.opts.log.info('standby.ready', { vm: id, key, ms: Math.round(performance.now() - t0), warmMs: Math.round(warm.ms) });
-      return { vm, agent, readyAt: Date.now() };
+      self.item = { vm, agent, readyAt: Date.now(), releaseRoom };
+      return self.item;
     } catch (err) {
+      releaseRoom?.();
       agent?.close();
       await vm.destroy();
+      if (self.yielded) throw new HutchError('busy', 'standby stopped: a wake needed its room in the memory budget', { cause: (err as Error).message });
       throw err;
     } finally {
       this.preparing.delete(vm);
     }
   }
 
-  /** A standby may start while the host keeps room for a guest's full memory and 1 GiB besides. */
+  /**
+   * A standby may start while the host keeps room for a guest's full memory and 1 GiB
+   * besides, and the broker's memory budget has room for it with no wake waiting.
+   */
   private roomForStandby(): boolean {
     const largest = Math.max(0, ...[...this.standbyKeys.values()].map((k) => k.size.memoryMiB));
-    return availableMiB() >= largest + 1024;
+    return availableMiB() >= largest + 1024 && (this.budget?.roomToYield(largest) ?? true);
   }
 
   async abandon(spec: SandboxSpec): Promise<void> {

@@ -39,7 +39,7 @@ export interface BrokerLoad {
   liveVms: number;
   /** Host MemAvailable, MiB (what the kernel could give new VMs now). */
   memAvailableMiB: number;
-  /** Admission's memory budget not yet reserved by live VMs, MiB. */
+  /** What a wake can have of the admission memory budget now (live VMs hold theirs; standbys give theirs up), MiB. */
   budgetFreeMiB: number;
   /** Wakes waiting for admission. */
   wakeQueue: number;

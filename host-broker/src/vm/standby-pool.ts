@@ -109,6 +109,21 @@ export class StandbyPool<T> {
     }
   }
 
+  /** Stops `item` if it is still waiting to be taken (a wake needs its room); false if it is not in the pool (taken, or never placed). */
+  discard(item: T, why: string): boolean {
+    for (const [key, list] of this.ready) {
+      const i = list.findIndex((r) => r.item === item);
+      if (i < 0) continue;
+      const [r] = list.splice(i, 1) as [Ready<T>];
+      clearTimeout(r.timer);
+      if (list.length === 0) this.ready.delete(key);
+      this.dispose(item);
+      this.opts.log.info('standby.stopped', { key, count: 1, why });
+      return true;
+    }
+    return false;
+  }
+
   /** Stops every standby (ready or being filled). */
   async close(): Promise<void> {
     this.closed = true;

@@ -1,0 +1,92 @@
+import { describe, expect, it } from 'vitest';
+import { Admission } from '../host-broker/src/admission.ts';
+import { HutchError } from '../guest-agent/src/protocol/errors.ts';
+
+/**
+ * The memory budget bounds every VM the broker keeps, standbys included: a standby holds
+ * room like a live VM but is worth less than any session's, so a wake that needs its room
+ * takes it (the standby is stopped) instead of waiting, and no standby takes room while a
+ * wake waits for it.
+ */
+function admission(budgetMiB: number, queueTimeoutMs = 200): Admission {
+  return new Admission({ maxConcurrentWakes: 4, maxConcurrentVmCalls: 4, memoryBudgetMiB: budgetMiB, queueTimeoutMs });
+}
+
+describe('memory budget with standby VMs', () => {
+  it('a standby is granted room only inside the budget, and counts against it', async () => {
+    const a = admission(1000);
+    const live = await a.reserveMemory(600, 's1');
+    expect(a.reserveYielding(500, () => undefined)).toBeUndefined();
+    const stopped: string[] = [];
+    const give = a.reserveYielding(400, () => stopped.push('sb'));
+    expect(give).toBeTypeOf('function');
+    expect(a.memoryReservedMiB).toBe(1000);
+    // What a wake could have: the standby's room too.
+    expect(a.freeMiB).toBe(400);
+    // Taken by a wake (which reserved its own) or stopped: the room goes back, once.
+    give?.();
+    give?.();
+    expect(a.memoryReservedMiB).toBe(600);
+    expect(stopped).toEqual([]);
+    live();
+    expect(a.memoryReservedMiB).toBe(0);
+  });
+
+  it('a wake that needs a standby\'s room stops it (oldest first) and does not wait', async () => {
+    const a = admission(1000, 60_000);
+    const live = await a.reserveMemory(400, 's1');
+    const stopped: string[] = [];
+    const give1 = a.reserveYielding(300, () => stopped.push('sb1'));
+    const give2 = a.reserveYielding(300, () => stopped.push('sb2'));
+    expect(a.memoryReservedMiB).toBe(1000);
+    const t0 = Date.now();
+    const wake = await a.reserveMemory(300, 's2');
+    expect(Date.now() - t0).toBeLessThan(5_000); // not the 60 s queue timeout
+    expect(stopped).toEqual(['sb1']);
+    expect(a.memoryReservedMiB).toBe(1000);
+    // The stopped standby's own release later (its VM disposed) frees nothing twice.
+    give1?.();
+    expect(a.memoryReservedMiB).toBe(1000);
+    give2?.();
+    wake();
+    live();
+    expect(a.memoryReservedMiB).toBe(0);
+  });
+
+  it('standbys are left alone when stopping them would not make room: the wake waits for live VMs, then fails busy naming what live VMs hold', async () => {
+    const a = admission(1000, 150);
+    const live = await a.reserveMemory(800, 's1');
+    const stopped: string[] = [];
+    const give = a.reserveYielding(200, () => stopped.push('sb'));
+    const err = await a.reserveMemory(400, 's2').catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(HutchError);
+    expect((err as HutchError).code).toBe('busy');
+    expect((err as HutchError).message).toContain('800 of 1000 MiB reserved by live VMs');
+    expect(stopped).toEqual([]);
+    give?.();
+    live();
+  });
+
+  it('no standby takes room while a wake waits for it, and the waiting wake gets the room a live VM gives back', async () => {
+    const a = admission(1000, 60_000);
+    const live = await a.reserveMemory(900, 's1');
+    const waiting = a.reserveMemory(500, 's2');
+    expect(a.roomToYield(100)).toBe(false);
+    expect(a.reserveYielding(100, () => undefined)).toBeUndefined();
+    live();
+    const wake = await waiting;
+    expect(a.memoryReservedMiB).toBe(500);
+    // Nobody waits now: a standby fits again.
+    expect(a.roomToYield(500)).toBe(true);
+    expect(a.roomToYield(501)).toBe(false);
+    wake();
+  });
+
+  it('a session larger than the whole budget is refused at once, standbys or not', async () => {
+    const a = admission(1000);
+    const give = a.reserveYielding(1000, () => undefined);
+    await expect(a.reserveMemory(1001, 'big')).rejects.toMatchObject({ code: 'too_large' });
+    expect(a.memoryReservedMiB).toBe(1000);
+    give?.();
+  });
+});
