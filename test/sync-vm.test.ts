@@ -1,4 +1,5 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { execFileSync } from 'node:child_process';
 import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { Hutch } from '../host-broker/src/sdk/index.ts';
@@ -72,6 +73,44 @@ describe('workspace sync with real VMs', { tags: ['vm'] }, () => {
     const again = await sb.run('cat /work/job.out', { route: 'vm' });
     expect({ woke: again.woke, stdout: again.stdout }).toEqual({ woke: true, stdout: 'done\n' });
     await sb.close();
+  }, 900_000);
+
+  it('a tree deeper than any sync path, made in the VM or on the host, is reported once and never fails the session\'s calls', async () => {
+    const sb = await hutch.create({ workspace: { files: { 'a.txt': 'x\n' } } });
+    const lifecycle = b.broker.sessions.get(sb.id).vm;
+    // Watched only while a VM lives.
+    expect(lifecycle.hostChanges.watching).toBe(false);
+    const level = (i: number, c: string) => `d${String(i).padStart(2, '0')}${c.repeat(196)}`;
+    const deep = (top: string, n: number, c: string) =>
+      `python3 -c "import os\nos.chdir('/work'); os.mkdir('${top}'); os.chdir('${top}')\nfor i in range(${n}):\n    n = 'd%02d' % i + '${c}' * 196\n    os.mkdir(n); os.chdir(n)\nopen('f.txt', 'w').write('deep')"`;
+    const made = await sb.run(deep('B', 25, 'x'), { route: 'vm' });
+    expect(made.exitCode).toBe(0);
+    expect(lifecycle.hostChanges.watching).toBe(true);
+    // Reported once, as the directory holding what cannot be carried; the rest is on the host.
+    expect(made.syncErrors?.map((e) => e.code)).toEqual(['invalid_name']);
+    const under = made.syncErrors?.[0]?.path as string;
+    expect(Buffer.byteLength(under)).toBeLessThanOrEqual(4096);
+    expect(under).toBe(['B', ...Array.from({ length: 20 }, (_, i) => level(i, 'x'))].join('/'));
+    const ws = join(b.dataDir, 'sessions', sb.id, 'workspace');
+    expect(existsSync(join(ws, under))).toBe(true);
+    const next = await sb.run('ls B | wc -l', { route: 'vm' });
+    expect([next.exitCode, next.stdout, next.syncErrors]).toEqual([0, '1\n', undefined]);
+    // The same depth made on the host side (a fast-path tenant): the next VM call works and
+    // sees what a path can name. (What the watcher noted of the pull's own writes is nothing to push.)
+    lifecycle.hostChanges.take();
+    execFileSync('python3', ['-c', `import os\nos.chdir(${JSON.stringify(ws)}); os.mkdir('C'); os.chdir('C')\nfor i in range(25):\n    n = 'd%02d' % i + 'y' * 196\n    os.mkdir(n); os.chdir(n)`]);
+    // Someone else's edit of the host workspace reaches the next call once the watcher saw it.
+    await waitFor(async () => lifecycle.hostChanges.pending, 30_000, 'the watcher seeing C');
+    const seen = await sb.run('find C -type d | wc -l', { route: 'vm' });
+    expect(seen.exitCode).toBe(0);
+    const levels = Number(seen.stdout.trim());
+    expect(levels).toBeGreaterThanOrEqual(19);
+    expect(levels).toBeLessThanOrEqual(21);
+    await sb.hint('idle');
+    await waitFor(async () => !(await hutch.sessions()).find((x) => x.session === sb.id)?.live);
+    expect(lifecycle.hostChanges.watching).toBe(false);
+    await sb.close();
+    expect(existsSync(join(b.dataDir, 'sessions', sb.id))).toBe(false);
   }, 900_000);
 
   it('a 100,000-file change set (an npm install) comes back whole, and the next call of the session works', async () => {

@@ -296,9 +296,11 @@ export class AgentClient {
     );
     answered.catch(() => abort.abort());
     const [r, c] = await Promise.allSettled([answered, consume]);
-    // A silent guest explains everything else (the cancelled request); otherwise the agent's
-    // own error (unknown marker, ...) explains a short stream better than the stream does.
-    if (c.status === 'rejected' && c.reason instanceof HutchError && c.reason.code === 'guest_unresponsive') throw c.reason;
+    // A silent guest, or the broker's own failure on a batch, explains the request we then
+    // cancelled; otherwise the agent's own error (unknown marker, ...) explains a short
+    // stream better than the stream does.
+    const cancelledByUs = r.status === 'rejected' && r.reason instanceof HutchError && r.reason.code === 'cancelled';
+    if (c.status === 'rejected' && (cancelledByUs || (c.reason instanceof HutchError && c.reason.code === 'guest_unresponsive'))) throw c.reason;
     if (r.status === 'rejected') throw r.reason;
     if (c.status === 'rejected') throw c.reason;
     // The next scan (sync.mark, agent.state) walks what this one found: size its deadline by it.

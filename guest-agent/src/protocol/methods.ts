@@ -1,5 +1,6 @@
 import { z } from 'zod';
 import { ErrorCodeSchema } from './errors.ts';
+import { WORKSPACE_PATH_MAX_BYTES } from '../workspace/names.ts';
 import { MEMORY_METHODS } from './methods-memory.ts';
 import { CallUsageSchema, TELEMETRY_EVENTS, TELEMETRY_METHODS } from './methods-telemetry.ts';
 
@@ -148,7 +149,9 @@ export const MoveResultSchema = z.object({ from: z.string(), to: z.string() });
  * are UTF-8 and would mangle a name that is not, so sync carries names as bin end to end
  * (guest-agent/src/workspace/names.ts maps them to strings where people see them).
  */
-export const SyncPath = bytes.refine((b) => b.length >= 1 && b.length <= 4096 && !b.includes(0), 'a sync path is 1..4096 bytes without NUL');
+/** A workspace-relative path the sync carries: longer ones exist (made through relative names) but stay where they are, reported. */
+export const SYNC_PATH_MAX_BYTES = WORKSPACE_PATH_MAX_BYTES;
+export const SyncPath = bytes.refine((b) => b.length >= 1 && b.length <= SYNC_PATH_MAX_BYTES && !b.includes(0), `a sync path is 1..${SYNC_PATH_MAX_BYTES} bytes without NUL`);
 /** A symlink target, stored verbatim (bytes, never resolved). */
 const SyncTarget = bytes.refine((b) => b.length >= 1 && b.length <= 4096 && !b.includes(0), 'a symlink target is 1..4096 bytes without NUL');
 /** One change of a batch. Each file lands atomically. */

@@ -1,4 +1,5 @@
 import { closeSync, constants, fstatSync, lstatSync, mkdirSync, openSync, promises as fsp, readFile, readdirSync, readlinkSync, readSync, renameSync, rmdirSync, statfsSync, unlinkSync, type Dirent, type Stats } from 'node:fs';
+import { randomBytes } from 'node:crypto';
 import { promisify } from 'node:util';
 import { HutchError } from '../protocol/errors.ts';
 
@@ -194,12 +195,16 @@ export function closeQuietly(fd: number): void {
   }
 }
 
+
 /**
- * Removes `name` in `dirFd` and, for a directory, everything below it, one held
- * directory fd at a time (fs.rm's recursion re-resolves path strings, which a tenant
- * swapping a directory for a symlink mid-walk could point at the host). A subdirectory
- * that turns into something else between lstat and open is refused by O_NOFOLLOW, never
- * followed.
+ * Removes `name` in `dirFd` and, for a directory, everything below it however deep,
+ * holding two fds and no path: each subdirectory is first moved up into `name` itself
+ * (a rename inside the tree being removed), so nothing being emptied is ever more than one
+ * level below it. fs.rm re-resolves a path per level (a tenant swapping a directory for a
+ * symlink mid-walk could point it at the host, and past PATH_MAX it fails), and an fd per
+ * level runs the process out of fds on a tree made 100,000 levels deep. Every step is
+ * relative to a held fd and never follows a symlink: an entry that turns into a link is
+ * unlinked as one.
  */
 export async function removeTreeAt(dirFd: number, name: Uint8Array): Promise<void> {
   const st = lstatAt(dirFd, name);
@@ -208,22 +213,57 @@ export async function removeTreeAt(dirFd: number, name: Uint8Array): Promise<voi
     unlinkAt(dirFd, name);
     return;
   }
-  const fd = openDirAt(dirFd, name);
+  const top = openDirAt(dirFd, name);
   try {
-    for (const e of await readDirAt(fd)) {
-      if (e.type === 'dir') await removeTreeAt(fd, e.name);
-      else {
+    let moved = 0;
+    // Random: a tenant cannot have put a directory of that name in the way.
+    const tag = `.hutch-rm-${randomBytes(6).toString('hex')}-`;
+    // Directories directly in `top` still to empty; `top`'s own entries come first.
+    const pending: Array<Uint8Array | undefined> = [undefined];
+    while (pending.length > 0) {
+      const sub = pending.pop();
+      let fd = top;
+      if (sub !== undefined) {
         try {
-          unlinkAt(fd, e.name);
+          fd = openDirAt(top, sub);
         } catch (err) {
-          // d_type was stale: it became a directory since readdir.
-          if ((err as NodeJS.ErrnoException).code === 'EISDIR') await removeTreeAt(fd, e.name);
-          else if ((err as NodeJS.ErrnoException).code !== 'ENOENT') throw err;
+          const code = (err as NodeJS.ErrnoException).code;
+          // Not a directory any more (a link or a file in its place): it goes as it is.
+          if (code === 'ELOOP' || code === 'ENOTDIR') unlinkAt(top, sub);
+          else if (code !== 'ENOENT') throw err;
+          continue;
         }
       }
+      try {
+        for (const e of await readDirAt(fd)) {
+          if (e.type === 'dir') {
+            if (sub === undefined) {
+              pending.push(e.name);
+              continue;
+            }
+            const up = Buffer.from(`${tag}${moved++}`);
+            renameAt(fd, e.name, top, up);
+            pending.push(up);
+            continue;
+          }
+          try {
+            unlinkAt(fd, e.name);
+          } catch (err) {
+            const code = (err as NodeJS.ErrnoException).code;
+            if (code === 'EISDIR') {
+              const up = Buffer.from(`${tag}${moved++}`);
+              renameAt(fd, e.name, top, up);
+              pending.push(up);
+            } else if (code !== 'ENOENT') throw err;
+          }
+        }
+      } finally {
+        if (fd !== top) closeSync(fd);
+      }
+      if (sub !== undefined) rmdirAt(top, sub);
     }
   } finally {
-    closeSync(fd);
+    closeSync(top);
   }
   rmdirAt(dirFd, name);
 }

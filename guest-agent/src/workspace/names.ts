@@ -1,4 +1,11 @@
 /**
+ * The longest workspace-relative path hutch addresses, in bytes: a tool's path, a sync
+ * path, what a walk lists. A tenant can make deeper trees (through relative names); they
+ * are walked for the quota but never listed, carried or named.
+ */
+export const WORKSPACE_PATH_MAX_BYTES = 4096;
+
+/**
  * File names are bytes on Linux; tenant-facing paths are strings. The mapping between
  * the two is PEP 383's "surrogateescape" (what Python does for os.fsdecode): valid UTF-8
  * decodes as usual, and each byte that is not part of a valid UTF-8 sequence becomes the

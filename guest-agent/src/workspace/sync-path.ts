@@ -102,8 +102,20 @@ export class SyncParentCache {
 
   /** The parent fd of `parts` (owned by the cache: do not close), or undefined when it cannot exist as named. */
   get(parts: readonly Buffer[], create?: { owner?: { uid: number; gid: number } | undefined }): number | undefined {
-    const key = Buffer.concat(parts.slice(0, -1).flatMap((p) => [p, Buffer.from('/')]));
+    const key = parentKey(parts);
     if (this.key && this.key.equals(key) && this.fd !== undefined) return this.fd;
+    // Below the cached directory (a batch sorted parents first going down a branch): go on
+    // from it rather than from the root, or a chain of N directories costs N^2 opens.
+    if (this.key && this.fd !== undefined && this.fd !== this.rootFd && key.length > this.key.length && key.subarray(0, this.key.length).equals(this.key)) {
+      const depth = countSlashes(this.key);
+      const from = this.fd;
+      const fd = openSyncParent(from, parts.slice(depth), create);
+      if (fd === undefined) return undefined;
+      if (fd !== from) closeSyncParent(from, this.rootFd);
+      this.key = key;
+      this.fd = fd;
+      return fd;
+    }
     this.close();
     const fd = openSyncParent(this.rootFd, parts, create);
     if (fd === undefined) return undefined;
@@ -144,4 +156,23 @@ export function readSmallFile(path: Buffer, max: number): Buffer | undefined {
   } finally {
     closeSync(fd);
   }
+}
+
+function countSlashes(b: Buffer): number {
+  let n = 0;
+  for (let i = b.indexOf(0x2f); i !== -1; i = b.indexOf(0x2f, i + 1)) n++;
+  return n;
+}
+
+/** `a/b/` for `a/b/c`, in one allocation (a deep path has thousands of parts). */
+function parentKey(parts: readonly Buffer[]): Buffer {
+  let n = 0;
+  for (let i = 0; i < parts.length - 1; i++) n += (parts[i] as Buffer).length + 1;
+  const key = Buffer.allocUnsafe(n);
+  let off = 0;
+  for (let i = 0; i < parts.length - 1; i++) {
+    off += (parts[i] as Buffer).copy(key, off);
+    key[off++] = 0x2f;
+  }
+  return key;
 }

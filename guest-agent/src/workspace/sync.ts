@@ -2,7 +2,7 @@ import { constants, fchmodSync, fchownSync, fstatSync, fsyncSync, futimesSync, l
 import { randomBytes } from 'node:crypto';
 import { HutchError, toHutchError } from '../protocol/errors.ts';
 import { encodeFrame } from '../protocol/frame-codec.ts';
-import { SYNC_RECORD_MAX_BYTES, type ResultOf, type SyncChange, type SyncChangesBatch, type SyncEntry } from '../protocol/methods.ts';
+import { SYNC_PATH_MAX_BYTES, SYNC_RECORD_MAX_BYTES, type ResultOf, type SyncChange, type SyncChangesBatch, type SyncEntry } from '../protocol/methods.ts';
 import { isAtomicTempName, writeFileAtomic, writeFileAtomicSyncAt } from './atomic-write.ts';
 import type { Workspace } from './confine.ts';
 import { nameFromBytes, nameToBytes } from './names.ts';
@@ -264,15 +264,19 @@ export class WorkspaceSync {
       batchBytes += ENTRY_OVERHEAD_BYTES + e.path.length + (e.target?.length ?? 0) + (e.data?.length ?? 0);
       if (batchBytes >= BATCH_TARGET_BYTES) await flush();
     };
-    const skip = async (path: Buffer, code: 'too_large' | 'unsupported_file_type', message: string): Promise<void> => {
+    const skip = async (path: Buffer, code: 'too_large' | 'unsupported_file_type' | 'invalid_name', message: string): Promise<void> => {
       batch.skipped.push({ path, code, message });
       totals.skipped++;
       batchBytes += ENTRY_OVERHEAD_BYTES + path.length + message.length;
       if (batchBytes >= BATCH_TARGET_BYTES) await flush();
     };
 
-    const gone = [...before.keys()].filter((p) => !now.has(p) && !hasDeletedAncestor(p, before, now)).sort().reverse();
+    // A path above what a sync path may be (a tree made deep through relative names) was
+    // never on the host: its deletion is nothing to send, and it is reported once per
+    // directory it lies under instead of failing the whole change set.
+    const gone = [...before.keys()].filter((p) => !now.has(p) && !hasDeletedAncestor(p, before, now) && nameToBytes(p).length <= SYNC_PATH_MAX_BYTES).sort().reverse();
     for (const p of gone) await add({ path: nameToBytes(p), kind: 'deleted' });
+    const tooLongUnder = new Set<string>();
     for (const p of [...now.keys()].sort()) {
       const e = now.get(p) as ManifestEntry;
       const old = before.get(p);
@@ -281,6 +285,15 @@ export class WorkspaceSync {
         continue;
       }
       const raw = nameToBytes(p);
+      if (raw.length > SYNC_PATH_MAX_BYTES) {
+        const under = raw.subarray(0, raw.lastIndexOf(0x2f, SYNC_PATH_MAX_BYTES));
+        const key = under.toString('latin1');
+        if (under.length > 0 && !tooLongUnder.has(key)) {
+          tooLongUnder.add(key);
+          await skip(under, 'invalid_name', `${nameFromBytes(under)} holds paths longer than ${SYNC_PATH_MAX_BYTES} bytes; they stay in the VM and are not synced to the host`);
+        }
+        continue;
+      }
       if (e.kind === 'other') {
         await skip(raw, 'unsupported_file_type', `${p} is a FIFO, socket or device node; sync carries regular files, directories and symlinks`);
         continue;
@@ -352,7 +365,8 @@ export class WorkspaceSync {
 
   private async scan(progress?: () => Promise<void>): Promise<Manifest> {
     const m: Manifest = new Map();
-    for await (const e of walk(this.ws.root, { syncListing: !this.opts.threadPoolListing })) {
+    // Every path, however long: what the sync cannot carry is reported (emit), not taken as gone.
+    for await (const e of walk(this.ws.root, { syncListing: !this.opts.threadPoolListing, maxPathBytes: Infinity })) {
       if (progress) await progress();
       let st: BigIntStats | undefined;
       try {

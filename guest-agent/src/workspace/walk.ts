@@ -1,7 +1,8 @@
-import { constants, openSync } from 'node:fs';
+import { constants, fstatSync, openSync } from 'node:fs';
+import { HutchError } from '../protocol/errors.ts';
 import { isAtomicTempName } from './atomic-write.ts';
-import { assertProcfs, closeQuietly, joinNames, openDirAt, readDirAt, readDirAtSync } from './fd-path.ts';
-import { nameFromBytes } from './names.ts';
+import { assertProcfs, at, closeQuietly, joinNames, openDirAt, readDirAt, readDirAtSync } from './fd-path.ts';
+import { nameFromBytes, WORKSPACE_PATH_MAX_BYTES } from './names.ts';
 
 export type WalkType = 'file' | 'dir' | 'symlink' | 'other';
 export interface WalkEntry {
@@ -31,15 +32,38 @@ export interface WalkOptions {
   tick?: () => Promise<void>;
   /** List each directory on the calling thread (fd-path.ts readDirAtSync says when that is right). */
   syncListing?: boolean;
+  /**
+   * Entries whose path is longer than this many bytes are not listed (default
+   * WORKSPACE_PATH_MAX_BYTES: nothing can name them) nor descended into, unless `beyond` is
+   * given. Infinity lists everything (the guest's sync scan, which reports such trees).
+   */
+  maxPathBytes?: number;
+  /**
+   * Called for each entry past maxPathBytes, its directory's fd valid during the call, and
+   * those directories are walked too: the quota counts what no path can name.
+   */
+  beyond?: (dirFd: number, name: Buffer, type: WalkType) => void;
 }
 
 interface Frame {
   fd: number;
   closed?: boolean;
-  raw: Buffer;
+  /** The directory's path from the start; undefined past maxPathBytes (its entries go to `beyond`). */
+  raw: Buffer | undefined;
   /** Subdirectories still to descend into, in order. */
   subdirs: Buffer[];
+  /** Set while the frame's fd is closed to bound the fds a deep branch holds: reopened through its child's `..`, checked to be the same directory. */
+  parked?: { dev: number; ino: number };
 }
+
+/**
+ * Directory fds a walk holds at most besides its start: deeper branches park the
+ * shallower fds and reopen them on the way back. A tenant's tree can be 100,000 levels
+ * deep; one fd per level would exhaust the process's fds, and every other session's
+ * opens with them.
+ */
+const FD_WINDOW = 64;
+const DOTDOT = Buffer.from('..');
 
 /**
  * Walk that never follows symlinks (a link is reported, not entered), so it cannot leave
@@ -63,12 +87,14 @@ export async function* walk(start: string | number, opts: WalkOptions = {}): Asy
     }
   }
   const stack: Frame[] = [];
+  const maxPath = opts.maxPathBytes ?? WORKSPACE_PATH_MAX_BYTES;
   let count = 0;
   try {
     let frame: Frame | undefined = { fd: startFd, raw: Buffer.alloc(0), subdirs: [] };
     while (frame) {
       stack.push(frame);
-      for await (const e of listDir(frame, opts)) {
+      if (stack.length > FD_WINDOW + 1) park(stack[stack.length - 1 - FD_WINDOW] as Frame);
+      for await (const e of listDir(frame, opts, maxPath)) {
         yield e;
         if (opts.limit !== undefined && ++count >= opts.limit) return;
       }
@@ -78,17 +104,51 @@ export async function* walk(start: string | number, opts: WalkOptions = {}): Asy
         const top = stack[stack.length - 1] as Frame;
         const next = top.subdirs.shift();
         if (next === undefined) {
-          close(stack.pop() as Frame, startFd);
+          const done = stack.pop() as Frame;
+          const parent = stack[stack.length - 1];
+          try {
+            if (parent?.parked) unpark(parent, done);
+          } finally {
+            close(done, startFd);
+          }
           continue;
         }
         const fd = openChild(top.fd, next);
-        if (fd !== undefined) frame = { fd, raw: top.raw.length ? joinNames([top.raw, next]) : next, subdirs: [] };
+        if (fd === undefined) continue;
+        const raw = top.raw === undefined ? undefined : top.raw.length ? joinNames([top.raw, next]) : next;
+        frame = { fd, raw: raw !== undefined && raw.length <= maxPath ? raw : undefined, subdirs: [] };
       }
     }
   } finally {
-    for (const f of stack) close(f, startFd);
+    for (const f of stack) if (!f.parked) close(f, startFd);
     if (typeof start !== 'number') closeQuietly(startFd);
   }
+}
+
+/** Closes a shallow frame's fd while the walk is deeper, remembering which directory it was. */
+function park(f: Frame): void {
+  if (f.parked || f.closed) return;
+  const st = fstatSync(f.fd);
+  f.parked = { dev: st.dev, ino: st.ino };
+  closeQuietly(f.fd);
+  f.closed = true;
+}
+
+/**
+ * Reopens a parked frame as its child's `..`. Only the same directory will do: one that
+ * moved meanwhile (a tenant renaming the branch under the walk) ends the walk with an
+ * error, never a partial listing (a sync scan would take what it missed as deleted).
+ */
+function unpark(f: Frame, child: Frame): void {
+  const fd = openSync(at(child.fd, DOTDOT), constants.O_RDONLY | constants.O_DIRECTORY);
+  const st = fstatSync(fd);
+  if (st.dev !== f.parked?.dev || st.ino !== f.parked.ino) {
+    closeQuietly(fd);
+    throw new HutchError('busy', `the tree changed while it was walked (a directory ${f.raw ? nameFromBytes(f.raw) : 'deep below the start'} moved); try again`);
+  }
+  f.fd = fd;
+  f.closed = false;
+  delete f.parked;
 }
 
 function close(f: Frame, startFd: number): void {
@@ -96,7 +156,9 @@ function close(f: Frame, startFd: number): void {
   if (f.fd !== startFd) closeQuietly(f.fd);
 }
 
-async function* listDir(frame: Frame, opts: WalkOptions): AsyncGenerator<WalkEntry> {
+async function* listDir(frame: Frame, opts: WalkOptions, maxPath: number): AsyncGenerator<WalkEntry> {
+  // Past the longest nameable path there is nothing to list: only the quota (`beyond`) looks.
+  if (frame.raw === undefined && !opts.beyond) return;
   let entries;
   try {
     entries = opts.syncListing ? readDirAtSync(frame.fd) : await readDirAt(frame.fd);
@@ -109,9 +171,15 @@ async function* listDir(frame: Frame, opts: WalkOptions): AsyncGenerator<WalkEnt
     if (opts.tick) await opts.tick();
     const nameStr = nameFromBytes(d.name);
     if (isAtomicTempName(nameStr)) continue;
-    const raw = frame.raw.length ? joinNames([frame.raw, d.name]) : d.name;
-    const rel = nameFromBytes(raw);
     if (d.type === 'dir' && opts.skipDirs?.has(nameStr)) continue;
+    const raw = frame.raw === undefined ? undefined : frame.raw.length ? joinNames([frame.raw, d.name]) : d.name;
+    if (raw === undefined || raw.length > maxPath) {
+      if (!opts.beyond) continue;
+      opts.beyond(frame.fd, d.name, d.type);
+      if (d.type === 'dir') frame.subdirs.push(d.name);
+      continue;
+    }
+    const rel = nameFromBytes(raw);
     if (opts.skip?.(rel, d.type)) continue;
     yield {
       rel,

@@ -242,7 +242,7 @@ export class QemuBackend implements VmBackend {
       sandbox.activate().catch((err: unknown) => this.opts.log.warn('vm.memory_policy_failed', { session: spec.session, error: (err as Error).message }));
       const wakeMs = performance.now() - t0;
       const how = from ? 'slot-restore' : opts.coldBoot ? 'cold-boot' : standby ? 'standby' : 'pristine-restore';
-      this.opts.log.info('vm.woke', { session: spec.session, how, ...(standby ? { standby: vm.spec.id, standbyAgeMs: Math.round(Date.now() - standby.readyAt) } : {}), wakeMs: Math.round(wakeMs), phases, pushedFiles: pushed.files, pushedBytes: pushed.bytes, markedBy: pushed.marker?.markedBy ?? 'sync.mark', ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
+      this.opts.log.info('vm.woke', { session: spec.session, how, ...(standby ? { standby: vm.spec.id, standbyAgeMs: Math.round(Date.now() - standby.readyAt) } : {}), wakeMs: Math.round(wakeMs), phases, pushedFiles: pushed.files, pushedBytes: pushed.bytes, ...(pushed.tooLong ? { pathsTooLong: pushed.tooLong } : {}), markedBy: pushed.marker?.markedBy ?? 'sync.mark', ...(clock ? { clockErrorMs: clock.errorMs } : {}) });
       return { sandbox, wake: { wakeMs, woke: true, how, pushedBytes: pushed.bytes, restoreMs, phases, startedAt: t0, ...(clock ? { clockErrorMs: clock.errorMs } : {}) } };
     } catch (err) {
       agent?.close();

@@ -74,7 +74,6 @@ export class SandboxLifecycle {
   ) {
     this.slots = new SnapshotSlots(spec.stateDir);
     this.hostChanges = new HostChangeTracker(spec.workspaceDir, log);
-    this.hostChanges.watch();
   }
 
   get live(): boolean {
@@ -216,6 +215,8 @@ export class SandboxLifecycle {
       // until now are in it, and any seen later are the next call's to push (taking them
       // after the push would drop a change that landed while it ran).
       this.hostChanges.take();
+      // Watched only while a VM lives: the watches are host-wide resources, and a wake scans anyway.
+      this.hostChanges.watch();
       const started = await this.startFromBestSlot();
       this.sandbox = started.sandbox;
       this.releaseMemory = releaseMem;
@@ -229,6 +230,7 @@ export class SandboxLifecycle {
       return { ...started.wake, wakeMs: performance.now() - t0 };
     } catch (err) {
       releaseMem?.();
+      if (!this.sandbox) void this.hostChanges.unwatch().catch(() => undefined);
       throw err;
     } finally {
       doneWake();
@@ -345,6 +347,7 @@ export class SandboxLifecycle {
   private forget(): void {
     if (!this.sandbox) return;
     this.sandbox = undefined;
+    void this.hostChanges.unwatch().catch(() => undefined);
     this.reclaimed = false;
     this.releaseMemory?.();
     this.releaseMemory = undefined;

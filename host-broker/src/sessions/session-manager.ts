@@ -1,4 +1,5 @@
-import { chmodSync, existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { chmodSync, closeSync, constants, existsSync, mkdirSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { removeTreeAt, renameAt } from '../../../guest-agent/src/workspace/fd-path.ts';
 import { DEFAULT_TEMPLATE, validateTemplateName } from '../templates/store.ts';
 import { randomBytes } from 'node:crypto';
 import { join } from 'node:path';
@@ -40,6 +41,9 @@ export interface SessionManagerOptions {
  *   <data-dir>/sessions/<id>/workspace/     the host-owned workspace (source of truth)
  *   <data-dir>/sessions/<id>/state/         backend state (home, sockets, disks, snapshots)
  */
+/** A session directory being removed (renamed aside first; see removeSessionDir). Session ids never start with a dot. */
+const REMOVING_PREFIX = '.removing-';
+
 export class SessionManager {
   private readonly sessions = new Map<string, Session>();
   /** Session id -> owning principal. */
@@ -60,6 +64,11 @@ export class SessionManager {
   /** Re-adopts sessions left on disk by an earlier broker. */
   loadExisting(): number {
     for (const id of readdirSync(this.root)) {
+      if (id.startsWith(REMOVING_PREFIX)) {
+        // A close the previous broker did not finish.
+        void this.removeAside(id).catch((err: unknown) => this.log.warn('session.remove_failed', { dir: id, error: (err as Error).message }));
+        continue;
+      }
       const metaPath = join(this.root, id, 'session.json');
       if (!existsSync(metaPath)) continue;
       try {
@@ -104,7 +113,7 @@ export class SessionManager {
       const stored: StoredMeta = { ...meta, owner };
       writeFileSync(join(dir, 'session.json'), JSON.stringify(stored, null, 2), { mode: 0o600 });
     } catch (err) {
-      rmSync(dir, { recursive: true, force: true });
+      await this.removeSessionDir(id).catch(() => undefined);
       throw err;
     }
     this.owners.set(id, owner);
@@ -150,9 +159,38 @@ export class SessionManager {
       this.log.info('session.closed', { session: id, kept: s.workspaceDir });
       return { session: id, kept: true };
     }
-    rmSync(dir, { recursive: true, force: true });
+    await this.removeSessionDir(id);
     this.log.info('session.closed', { session: id });
     return { session: id, kept: false };
+  }
+
+  /**
+   * Removes a session's directory, however deep a tenant made its workspace (fd-path.ts
+   * removeTreeAt; fs.rm fails past PATH_MAX). It is renamed aside first, so a broker that
+   * dies midway leaves a name loadExisting finishes removing, not a session without its
+   * session.json.
+   */
+  private async removeSessionDir(id: string): Promise<void> {
+    const aside = `${REMOVING_PREFIX}${id}`;
+    const rootFd = openSync(this.root, constants.O_RDONLY | constants.O_DIRECTORY);
+    try {
+      renameAt(rootFd, Buffer.from(id), rootFd, Buffer.from(aside));
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code === 'ENOENT') return;
+      throw err;
+    } finally {
+      closeSync(rootFd);
+    }
+    await this.removeAside(aside);
+  }
+
+  private async removeAside(name: string): Promise<void> {
+    const rootFd = openSync(this.root, constants.O_RDONLY | constants.O_DIRECTORY);
+    try {
+      await removeTreeAt(rootFd, Buffer.from(name));
+    } finally {
+      closeSync(rootFd);
+    }
   }
 
   /** Releases every sandbox (dirty ones into their snapshot slots); workspaces and metadata stay for the next broker. */

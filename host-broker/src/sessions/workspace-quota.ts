@@ -34,7 +34,14 @@ export async function measureWorkspace(dir: string): Promise<Usage> {
   let bytes = 0;
   let files = 0;
   let largest: Usage['largest'];
-  for await (const e of walk(dir)) {
+  // What lies deeper than any path can name still takes disk: counted, never listed.
+  const beyond = (dirFd: number, name: Buffer) => {
+    const st = lstatAt(dirFd, name);
+    if (!st) return;
+    bytes += st.blocks * 512;
+    files++;
+  };
+  for await (const e of walk(dir, { beyond })) {
     const st = lstatAt(e.dirFd, e.name);
     if (!st) continue; // gone since it was listed
     bytes += st.blocks * 512;

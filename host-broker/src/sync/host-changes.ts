@@ -5,32 +5,79 @@ import type { Logger } from '../../../guest-agent/src/log.ts';
 export type HostChanges = { kind: 'none' } | { kind: 'all' } | { kind: 'paths'; paths: string[] };
 
 /**
+ * Directories one workspace's watcher may watch. Each is an inotify watch of the broker's
+ * user (a budget shared with everything else that user runs, about 190,000 here) and
+ * chokidar's memory: a tenant's 100,000 directories must not spend either. Past it every
+ * VM call scans the tree instead, as after any fast-path call.
+ */
+export const MAX_WATCHED_DIRS = 5_000;
+
+/**
  * What changed in a host workspace since the guest last saw it. File tools and the fast
  * path report their own writes as they happen (no race with the next VM call); chokidar
- * catches everything else (someone editing the workspace directory directly).
+ * catches everything else (someone editing the workspace directory directly) while a VM
+ * lives: a wake's push scans the whole tree anyway.
  */
 export class HostChangeTracker {
   private all = false;
   private readonly paths = new Set<string>();
   private watcher: FSWatcher | undefined;
+  /** Past MAX_WATCHED_DIRS: nothing is watched and every take() answers 'all' until the next watch(). */
+  private overflow = false;
+  /** Which watch() is current: a watcher being closed must not touch the state of the next. */
+  private generation = 0;
 
   constructor(
     private readonly root: string,
     private readonly log: Logger,
+    private readonly maxDirs = MAX_WATCHED_DIRS,
   ) {}
+
+  /** Something is marked for the next take() (a peek: nothing is consumed). */
+  get pending(): boolean {
+    return this.all || this.overflow || this.paths.size > 0;
+  }
+
+  get watching(): boolean {
+    return this.watcher !== undefined;
+  }
 
   /** Starts watching; events only mark paths, so a slow or missed event costs a push, not correctness. */
   watch(): void {
     if (this.watcher) return;
-    this.watcher = watch(this.root, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false });
-    this.watcher.on('all', (_ev, abs) => {
+    this.overflow = false;
+    const gen = ++this.generation;
+    const dirs = new Set<string>();
+    const ignored = (path: string, stats?: { isDirectory(): boolean }): boolean => {
+      if (gen !== this.generation || this.overflow) return true;
+      if (!stats?.isDirectory() || dirs.has(path)) return false;
+      dirs.add(path);
+      if (dirs.size <= this.maxDirs) return false;
+      this.overflow = true;
+      this.log.info('workspace.watch_overflow', { dirs: this.maxDirs, hint: 'more directories than one workspace is watched for: each VM call scans the tree instead' });
+      dirs.clear();
+      void this.unwatch();
+      return true;
+    };
+    const w = watch(this.root, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false, ignored });
+    this.watcher = w;
+    w.on('all', (_ev, abs) => {
+      if (gen !== this.generation) return;
       const rel = relative(this.root, abs);
       if (rel && !rel.startsWith('..')) this.mark(rel);
     });
-    this.watcher.on('error', (err) => {
+    w.on('error', (err) => {
+      if (gen !== this.generation) return;
       this.log.warn('workspace.watch_error', { error: (err as Error).message });
       this.markAll();
     });
+  }
+
+  /** Stops watching (the VM is gone: the next wake scans the tree); marks are kept. */
+  async unwatch(): Promise<void> {
+    const w = this.watcher;
+    this.watcher = undefined;
+    await w?.close();
   }
 
   mark(rel: string): void {
@@ -44,7 +91,7 @@ export class HostChangeTracker {
 
   /** Returns what changed and starts over. */
   take(): HostChanges {
-    if (this.all) {
+    if (this.all || this.overflow) {
       this.all = false;
       return { kind: 'all' };
     }
@@ -55,7 +102,6 @@ export class HostChangeTracker {
   }
 
   async close(): Promise<void> {
-    await this.watcher?.close();
-    this.watcher = undefined;
+    await this.unwatch();
   }
 }

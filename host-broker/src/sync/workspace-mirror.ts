@@ -2,7 +2,7 @@ import { constants, promises as fsp } from 'node:fs';
 import { basename, dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
-import type { ResultOf, SyncEntry } from '../../../guest-agent/src/protocol/methods.ts';
+import { SYNC_PATH_MAX_BYTES, type ResultOf, type SyncEntry } from '../../../guest-agent/src/protocol/methods.ts';
 import type { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { hasEscapedBytes, nameFromBytes, nameToBytes } from '../../../guest-agent/src/workspace/names.ts';
 import type { WorkspaceSync } from '../../../guest-agent/src/workspace/sync.ts';
@@ -33,6 +33,8 @@ export interface PushStats {
   /** Entries sent to the guest (writes, directories, links, deletions). */
   sent: number;
   ms: number;
+  /** Host entries left out: their paths are longer than a sync path may be, or than the host can open by path (a tree made deep through relative names). */
+  tooLong: number;
   /** With `mark`: the sync marker taken right after the push (undefined from an agent that predates it). */
   marker?: { marker: string; entries: number; markedBy?: 'recorded' | 'scan' | undefined } | undefined;
 }
@@ -88,6 +90,8 @@ export interface MirrorOptions {
 }
 
 type Change = Parameters<AgentClient['syncApply']>[0][number];
+/** Linux's PATH_MAX, the terminating NUL included: the longest path the host opens by name. */
+const PATH_MAX_BYTES = 4096;
 type PushItem = { rel: string; remove: true } | { rel: string; remove?: false; entry: ManifestEntry };
 
 /**
@@ -135,7 +139,12 @@ export class WorkspaceMirror {
       guestSubset = new Map();
       for (const p of onlyList) await this.scanPath(p, host, guestSubset, before);
     } else host = await scanTree(this.hostWs.root);
-    const { write, remove } = diffManifests(host, guestSubset);
+    const diff = diffManifests(host, guestSubset);
+    const remove = diff.remove;
+    // A host path no sync path can carry, or the host cannot open by its path: the guest
+    // never sees it (a scan does not list those; a watcher's path can name one).
+    const maxRel = Math.min(SYNC_PATH_MAX_BYTES, PATH_MAX_BYTES - 1 - Buffer.byteLength(this.hostWs.root) - 1);
+    const write = diff.write.filter((rel) => nameToBytes(rel).length <= maxRel);
     const items: PushItem[] = [
       ...remove.map((rel): PushItem => ({ rel, remove: true })),
       ...write.map((rel): PushItem => ({ rel, entry: host.get(rel) as ManifestEntry })),
@@ -145,7 +154,7 @@ export class WorkspaceMirror {
     removeWithChildren(view, new Set(remove));
     for (const p of sent) view.set(p, host.get(p) as ManifestEntry);
     this.guestView = view;
-    return { files, bytes, removed: remove.length, sent: sent.length, ms: performance.now() - t0, marker };
+    return { files, bytes, removed: remove.length, sent: sent.length, ms: performance.now() - t0, tooLong: diff.write.length - write.length, marker };
   }
 
   /**
