@@ -152,6 +152,26 @@ describe('the e2b SDK against hutch', () => {
     await fetch(`${base}/e2b/api/sandboxes/${made.sandboxID}`, { method: 'DELETE', headers: { 'X-API-KEY': b.token } });
   });
 
+  it('a recursive watch costs at most 5,000 directories (host-wide inotify watches): a bigger tree is refused, and a watch whose tree grows past it ends with that error', async () => {
+    const sbx = await Sandbox.create(opts(b.token));
+    await sbx.commands.run('python3 -c "import os\nfor i in range(5100): os.makedirs(f\'big/d{i}\')"');
+    await expect(sbx.files.watchDir('/work/big', () => undefined, { recursive: true })).rejects.toThrow(/more than 5000 directories/);
+    // Not recursive: one directory, whatever lies below it.
+    const flat = await sbx.files.watchDir('/work/big', () => undefined);
+    await flat.stop();
+    await sbx.files.makeDir('/work/small/a');
+    let ended: Error | undefined;
+    let exited = false;
+    const h = await sbx.files.watchDir('/work/small', () => undefined, { recursive: true, onExit: (err) => void ((ended = err), (exited = true)) });
+    await sbx.commands.run('python3 -c "import os\nfor i in range(5100): os.makedirs(f\'small/a/d{i}\')"');
+    const deadline = Date.now() + 60_000;
+    while (!exited && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100));
+    expect(exited).toBe(true);
+    expect(ended?.message).toMatch(/more than 5000 directories/);
+    await h.stop();
+    await sbx.kill();
+  }, 120_000);
+
   it("templateID: E2B's `base` (and hutch's `default`) is the default image; another name is a hutch template or a clear error, never the default image in its place", async () => {
     const create = (body: unknown) => fetch(`${base}/e2b/api/v2/sandboxes`, { method: 'POST', headers: { 'X-API-KEY': b.token, 'content-type': 'application/json' }, body: JSON.stringify(body) });
     for (const templateID of ['base', 'default']) {

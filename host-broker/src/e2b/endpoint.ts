@@ -535,7 +535,13 @@ export class E2bEndpoint {
       if (typeof path !== 'string' || !path) throw new ConnectError('invalid_argument', 'path is required');
       this.reserveWatch(sb);
       try {
-        close = await watchDir(s, path, msg['recursive'] === true, (e) => stream?.send({ filesystem: e }));
+        close = await watchDir(
+          s,
+          path,
+          msg['recursive'] === true,
+          (e) => stream?.send({ filesystem: e }),
+          (e) => stream?.end(e),
+        );
       } catch (err) {
         sb.watches--;
         throw err;

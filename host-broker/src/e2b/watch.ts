@@ -10,6 +10,7 @@ import { watch, type FSWatcher } from 'chokidar';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { isAtomicTempName } from '../../../guest-agent/src/workspace/atomic-write.ts';
 import type { Session } from '../sessions/session.ts';
+import { MAX_WATCHED_DIRS } from '../sync/host-changes.ts';
 
 export interface FsEvent {
   name: string;
@@ -26,7 +27,7 @@ const TYPES: Record<string, FsEvent['type']> = { add: 'EVENT_TYPE_CREATE', addDi
  * starts on the resolved host path; once it is set up, that path is checked again to be
  * free of symlinks (a swap in between would otherwise move the watch out of the workspace).
  */
-export async function watchDir(s: Session, path: string, recursive: boolean, onEvent: (e: FsEvent) => void): Promise<() => Promise<void>> {
+export async function watchDir(s: Session, path: string, recursive: boolean, onEvent: (e: FsEvent) => void, onError?: (err: HutchError) => void): Promise<() => Promise<void>> {
   const r = s.files.ws.open(path);
   let abs: string;
   try {
@@ -35,14 +36,35 @@ export async function watchDir(s: Session, path: string, recursive: boolean, onE
   } finally {
     r.close();
   }
-  const w: FSWatcher = watch(abs, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false, ...(recursive ? {} : { depth: 0 }) });
+  // Each directory watched is an inotify watch of the broker's user (shared host-wide) and
+  // chokidar's memory: a tree past the budget fails the watch, now or when it grows past it.
+  let ready = false;
+  let tooBig: HutchError | undefined;
+  const dirs = new Set<string>();
+  const ignored = (p: string, stats?: { isDirectory(): boolean }): boolean => {
+    if (tooBig) return true;
+    if (!stats?.isDirectory() || dirs.has(p)) return false;
+    dirs.add(p);
+    if (dirs.size <= MAX_WATCHED_DIRS) return false;
+    tooBig = new HutchError('too_large', `${path} holds more than ${MAX_WATCHED_DIRS} directories; watch a smaller part of the workspace`, { path, limit: MAX_WATCHED_DIRS });
+    dirs.clear();
+    if (ready) {
+      void w.close();
+      onError?.(tooBig);
+    }
+    return true;
+  };
+  // Not recursive: one directory watched, whatever lies below it.
+  const w: FSWatcher = watch(abs, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false, ...(recursive ? { ignored } : { depth: 0 }) });
   const close = () => w.close();
   try {
     await new Promise<void>((resolve, reject) => {
       w.once('ready', () => resolve());
       w.once('error', reject);
     });
+    if (tooBig) throw tooBig;
     if (realpathSync(abs) !== abs) throw new HutchError('outside_workspace', `${path} changed while the watch was set up`, { path });
+    ready = true;
   } catch (err) {
     await close();
     throw err;
@@ -59,12 +81,20 @@ export async function watchDir(s: Session, path: string, recursive: boolean, onE
 /** The polling flavour: events kept until fetched. */
 export class PollingWatcher {
   private events: FsEvent[] = [];
+  /** The watch ended on its own (the tree grew past the directory budget): the next take() says so. */
+  private failed: HutchError | undefined;
 
   constructor(readonly close: () => Promise<void>) {}
 
   static async start(s: Session, path: string, recursive: boolean): Promise<PollingWatcher> {
     let self: PollingWatcher | undefined;
-    const close = await watchDir(s, path, recursive, (e) => self?.push(e));
+    const close = await watchDir(
+      s,
+      path,
+      recursive,
+      (e) => self?.push(e),
+      (err) => self && (self.failed = err),
+    );
     self = new PollingWatcher(close);
     return self;
   }
@@ -75,6 +105,7 @@ export class PollingWatcher {
   }
 
   take(): FsEvent[] {
+    if (this.failed && this.events.length === 0) throw this.failed;
     const out = this.events;
     this.events = [];
     return out;
