@@ -5,7 +5,7 @@
  * run gets an empty HUTCH_CACHE, so "nothing was built" is checked on disk.
  */
 import { spawn } from 'node:child_process';
-import { existsSync, mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
@@ -151,6 +151,9 @@ describe('hutch serve for a supervisor', () => {
       expect(text).toMatch(/^hutch_memory_budget_mib 3000$/m);
       expect(text).toMatch(/^hutch_memory_reserved_mib\{holder="vm"\} 0$/m);
       expect(text).toMatch(/^hutch_memory_reserved_mib\{holder="standby"\} 0$/m);
+      // Half the user's inotify watches, the other half left to everything else it runs.
+      const maxWatches = Number(readFileSync('/proc/sys/fs/inotify/max_user_watches', 'utf8'));
+      expect(text).toMatch(new RegExp(`^hutch_watched_dirs\\{state="max"\\} ${Math.floor(maxWatches / 2)}$`, 'm'));
     } finally {
       stopGroup(s.p);
       await s.exited;

@@ -15,6 +15,7 @@ import { privateDir, SessionManager } from './sessions/session-manager.ts';
 import type { FastPathRunner } from './tools/fastpath-runner.ts';
 import { FileStreams, isStreamOp } from './tools/file-stream.ts';
 import { Admission, type AdmissionOptions } from './admission.ts';
+import { watchBudget } from './sync/watch-budget.ts';
 import { BrokerMetrics, listenMetrics } from './metrics.ts';
 import { availableParallelism, totalmem } from 'node:os';
 import { DEFAULT_POLICY, type SandboxPolicy } from './policy/sandbox-policy.ts';
@@ -225,6 +226,8 @@ export class Broker {
     this.metrics.admissionWaiting.set({ kind: 'wake' }, this.admission.wakes.waiting);
     this.metrics.admissionWaiting.set({ kind: 'vm_call' }, this.admission.vmCalls.waiting);
     this.metrics.memoryBudget.set(this.admission.opts.memoryBudgetMiB);
+    this.metrics.watchedDirs.set({ state: 'used' }, watchBudget.used);
+    this.metrics.watchedDirs.set({ state: 'max' }, watchBudget.maxDirs);
     this.metrics.memoryReserved.set({ holder: 'vm' }, this.admission.memoryReservedMiB - this.admission.yieldingMiB);
     this.metrics.memoryReserved.set({ holder: 'standby' }, this.admission.yieldingMiB);
     const standby = this.opts.backend.standbyStats?.();

@@ -12,6 +12,7 @@ import { FileTools } from '../../guest-agent/src/workspace/file-tools.ts';
 import type { Hutch } from '../../host-broker/src/sdk/index.ts';
 import { measureWorkspace } from '../../host-broker/src/sessions/workspace-quota.ts';
 import { HostChangeTracker } from '../../host-broker/src/sync/host-changes.ts';
+import { WatchBudget } from '../../host-broker/src/sync/watch-budget.ts';
 import { startBroker, type TestBroker } from '../helpers/broker.ts';
 import { waitFor } from '../helpers/wait-for.ts';
 
@@ -194,6 +195,39 @@ describe('watching a workspace', () => {
       expect(t.watching).toBe(false);
     } finally {
       rmSync(d, { recursive: true, force: true });
+    }
+  }, 60_000);
+});
+
+describe('the broker-wide watch budget', () => {
+  it('is shared: a workspace that finds it spent scans instead, and gets watched again once another gives its directories back', async () => {
+    const budget = new WatchBudget(30);
+    const log = createLogger({ name: 'test', level: 'error' });
+    const made: string[] = [];
+    const tree = (n: number) => {
+      const d = mkdtempSync(join(tmpdir(), 'hutch-budget-'));
+      for (let i = 0; i < n; i++) mkdirSync(join(d, `d${i}`));
+      made.push(d);
+      return d;
+    };
+    try {
+      const first = new HostChangeTracker(tree(19), log, 1000, budget);
+      first.watch();
+      await waitFor(async () => budget.used === 20, 30_000, 'the first workspace charged');
+      const second = new HostChangeTracker(tree(19), log, 1000, budget);
+      second.watch();
+      await waitFor(async () => !second.watching, 30_000, 'the second giving up on the spent budget');
+      expect(second.take()).toEqual({ kind: 'all' });
+      expect(budget.used).toBe(20);
+      await first.close();
+      expect(budget.used).toBe(0);
+      second.watch();
+      await waitFor(async () => budget.used === 20, 30_000, 'the second charged once there is room');
+      expect(second.watching).toBe(true);
+      await second.close();
+      expect(budget.used).toBe(0);
+    } finally {
+      for (const d of made) rmSync(d, { recursive: true, force: true });
     }
   }, 60_000);
 });

@@ -11,6 +11,7 @@ import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { isAtomicTempName } from '../../../guest-agent/src/workspace/atomic-write.ts';
 import type { Session } from '../sessions/session.ts';
 import { MAX_WATCHED_DIRS } from '../sync/host-changes.ts';
+import { watchBudget } from '../sync/watch-budget.ts';
 
 export interface FsEvent {
   name: string;
@@ -41,26 +42,40 @@ export async function watchDir(s: Session, path: string, recursive: boolean, onE
   let ready = false;
   let tooBig: HutchError | undefined;
   const dirs = new Set<string>();
+  let w: FSWatcher | undefined;
+  let closed = false;
+  const close = async () => {
+    if (!closed) {
+      closed = true;
+      watchBudget.give(dirs.size);
+      dirs.clear();
+    }
+    await w?.close();
+  };
   const ignored = (p: string, stats?: { isDirectory(): boolean }): boolean => {
     if (tooBig) return true;
     if (!stats?.isDirectory() || dirs.has(p)) return false;
-    dirs.add(p);
-    if (dirs.size <= MAX_WATCHED_DIRS) return false;
-    tooBig = new HutchError('too_large', `${path} holds more than ${MAX_WATCHED_DIRS} directories; watch a smaller part of the workspace`, { path, limit: MAX_WATCHED_DIRS });
-    dirs.clear();
+    if (dirs.size < MAX_WATCHED_DIRS && watchBudget.take()) {
+      dirs.add(p);
+      return false;
+    }
+    tooBig =
+      dirs.size >= MAX_WATCHED_DIRS
+        ? new HutchError('too_large', `${path} holds more than ${MAX_WATCHED_DIRS} directories; watch a smaller part of the workspace`, { path, limit: MAX_WATCHED_DIRS })
+        : new HutchError('busy', `the broker watches as many directories as it may (${watchBudget.maxDirs}); try again later or watch less`, { path });
+    // While it is set up the crawl runs on (ignoring the rest) to its 'ready', and fails there.
     if (ready) {
-      void w.close();
+      void close();
       onError?.(tooBig);
     }
     return true;
   };
   // Not recursive: one directory watched, whatever lies below it.
-  const w: FSWatcher = watch(abs, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false, ...(recursive ? { ignored } : { depth: 0 }) });
-  const close = () => w.close();
+  w = watch(abs, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false, ...(recursive ? { ignored } : { depth: 0 }) });
   try {
     await new Promise<void>((resolve, reject) => {
-      w.once('ready', () => resolve());
-      w.once('error', reject);
+      w?.once('ready', () => resolve());
+      w?.once('error', reject);
     });
     if (tooBig) throw tooBig;
     if (realpathSync(abs) !== abs) throw new HutchError('outside_workspace', `${path} changed while the watch was set up`, { path });

@@ -1,6 +1,7 @@
 import { watch, type FSWatcher } from 'chokidar';
 import { relative } from 'node:path';
 import type { Logger } from '../../../guest-agent/src/log.ts';
+import { watchBudget, type WatchBudget } from './watch-budget.ts';
 
 export type HostChanges = { kind: 'none' } | { kind: 'all' } | { kind: 'paths'; paths: string[] };
 
@@ -26,11 +27,14 @@ export class HostChangeTracker {
   private overflow = false;
   /** Which watch() is current: a watcher being closed must not touch the state of the next. */
   private generation = 0;
+  /** Gives the current watch's directories back to the budget. */
+  private release: () => void = () => undefined;
 
   constructor(
     private readonly root: string,
     private readonly log: Logger,
     private readonly maxDirs = MAX_WATCHED_DIRS,
+    private readonly budget: WatchBudget = watchBudget,
   ) {}
 
   /** Something is marked for the next take() (a peek: nothing is consumed). */
@@ -51,13 +55,23 @@ export class HostChangeTracker {
     const ignored = (path: string, stats?: { isDirectory(): boolean }): boolean => {
       if (gen !== this.generation || this.overflow) return true;
       if (!stats?.isDirectory() || dirs.has(path)) return false;
-      dirs.add(path);
-      if (dirs.size <= this.maxDirs) return false;
+      const charged = dirs.size < this.maxDirs && this.budget.take();
+      if (charged) {
+        dirs.add(path);
+        return false;
+      }
       this.overflow = true;
-      this.log.info('workspace.watch_overflow', { dirs: this.maxDirs, hint: 'more directories than one workspace is watched for: each VM call scans the tree instead' });
-      dirs.clear();
+      this.log.info('workspace.watch_overflow', {
+        dirs: dirs.size,
+        why: dirs.size >= this.maxDirs ? `more than ${this.maxDirs} directories` : `the broker's watch budget (${this.budget.maxDirs} directories) is spent`,
+        hint: 'each VM call scans the tree instead',
+      });
       void this.unwatch();
       return true;
+    };
+    this.release = () => {
+      this.budget.give(dirs.size);
+      dirs.clear();
     };
     const w = watch(this.root, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false, ignored });
     this.watcher = w;
@@ -77,6 +91,8 @@ export class HostChangeTracker {
   async unwatch(): Promise<void> {
     const w = this.watcher;
     this.watcher = undefined;
+    this.release();
+    this.release = () => undefined;
     await w?.close();
   }
 
