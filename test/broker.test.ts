@@ -17,6 +17,19 @@ describe('broker over a real WebSocket', () => {
   });
   afterAll(async () => b.stop());
 
+  it('a fast-path command the router proved read-only leaves nothing for the next VM call to scan; one that writes marks the tree', async () => {
+    const sb = await hutch.create({ workspace: { files: { 'a.txt': 'A\n' } } });
+    const changes = b.broker.sessions.get(sb.id).vm.hostChanges;
+    changes.take();
+    const read = await sb.run('cat a.txt; ls; grep -c A a.txt');
+    expect([read.route, read.stdout]).toEqual(['fastpath', 'A\na.txt\n1\n']);
+    expect(changes.pending).toBe(false);
+    const edit = await sb.run("sed -i 's/A/B/' a.txt");
+    expect(edit.route).toBe('fastpath');
+    expect(changes.take()).toEqual({ kind: 'all' });
+    await sb.close();
+  });
+
   it('refuses a wrong or missing token', async () => {
     await expect(Hutch.connect(b.url, { token: 'wrong' })).rejects.toMatchObject({ code: 'unauthorized' });
     const raw = new WebSocket(b.url);

@@ -285,8 +285,10 @@ export class Session {
         try {
           r = await this.deps.fastPath.run({ ...bounded, workspace: this.workspaceDir });
         } finally {
-          // The sandbox may have written anywhere in the workspace; the next VM call re-checks it.
-          this.vm.hostChanges.markAll();
+          // A writing command may have written anywhere in the workspace: the next VM call
+          // scans it. One the router proved read-only (cat, grep, ls) changed nothing, and its
+          // next VM call pushes without a scan of the tree.
+          if (mayWrite) this.vm.hostChanges.markAll();
         }
       } else {
         const out = await this.vm.vmCall((sb, changes) => sb.exec(sinks.stdin ? { ...bounded, stdin: sinks.stdin } : bounded, changes));
