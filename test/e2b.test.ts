@@ -169,6 +169,26 @@ describe('the e2b SDK against hutch', () => {
     expect(exited).toBe(true);
     expect(ended?.message).toMatch(/more than 5000 directories/);
     await h.stop();
+
+    // The polling watcher (the Python SDK's): its next GetWatcherEvents says why it ended.
+    const envd = (method: string, body: unknown) =>
+      fetch(`${base}/e2b/envd/filesystem.Filesystem/${method}`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json', 'E2b-Sandbox-Id': sbx.sandboxId, 'X-Access-Token': (sbx as unknown as { envdAccessToken: string }).envdAccessToken },
+        body: JSON.stringify(body),
+      });
+    await sbx.files.makeDir('/work/polled/a');
+    const created = await envd('CreateWatcher', { path: '/work/polled', recursive: true });
+    expect(created.status).toBe(200);
+    const { watcherId } = (await created.json()) as { watcherId: string };
+    await sbx.commands.run('python3 -c "import os\nfor i in range(5100): os.makedirs(f\'polled/a/d{i}\')"');
+    let last: Response | undefined;
+    for (const end = Date.now() + 60_000; Date.now() < end; await new Promise((r) => setTimeout(r, 200))) {
+      last = await envd('GetWatcherEvents', { watcherId });
+      if (last.status !== 200) break;
+    }
+    expect(last?.status).toBe(429);
+    expect(((await last?.json()) as { message: string }).message).toMatch(/more than 5000 directories/);
     await sbx.kill();
   }, 120_000);
 
