@@ -27,6 +27,9 @@ export function privateDir(path: string): void {
   chmodSync(path, 0o700); // mkdir's mode is masked by the umask and skipped for existing dirs
 }
 
+/** A session directory being removed (renamed aside first; see removeSessionDir). Session ids never start with a dot. */
+const REMOVING_PREFIX = '.removing-';
+
 export interface SessionManagerOptions {
   /** Host directories `create({ workspace: { dir } })` may copy from; none = dir sources refused. */
   workspaceRoots?: readonly string[];
@@ -40,10 +43,8 @@ export interface SessionManagerOptions {
  *   <data-dir>/sessions/<id>/session.json
  *   <data-dir>/sessions/<id>/workspace/     the host-owned workspace (source of truth)
  *   <data-dir>/sessions/<id>/state/         backend state (home, sockets, disks, snapshots)
+ *   <data-dir>/sessions/.removing-<id>/     a closed session's directory on its way out
  */
-/** A session directory being removed (renamed aside first; see removeSessionDir). Session ids never start with a dot. */
-const REMOVING_PREFIX = '.removing-';
-
 export class SessionManager {
   private readonly sessions = new Map<string, Session>();
   /** Session id -> owning principal. */
