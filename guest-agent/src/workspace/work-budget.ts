@@ -13,7 +13,7 @@ const SLICE_MS = 8;
  */
 export class WorkBudget {
   readonly deadline: number;
-  private sliceStart = performance.now();
+  private readonly slice = new LoopSlicer();
 
   constructor(
     readonly tool: string,
@@ -27,14 +27,32 @@ export class WorkBudget {
   }
 
   async tick(): Promise<void> {
-    const now = performance.now();
-    if (now - this.sliceStart < SLICE_MS) return;
-    if (now >= this.deadline) throw this.timeout();
-    await yieldToLoop();
-    this.sliceStart = performance.now();
+    await this.slice.tick((now) => {
+      if (now >= this.deadline) throw this.timeout();
+    });
   }
 
   timeout(detail?: string): HutchError {
     return new HutchError('timeout', `${this.tool} did not finish within ${this.ms} ms${detail ? `; ${detail}` : ''}`, { tool: this.tool, timeoutMs: this.ms });
+  }
+}
+
+/**
+ * Manners on the event loop for work whose size a tenant decides (a pull of 100,000 small
+ * files, an lstat per entry): call tick() per unit of work; every few milliseconds it
+ * yields, so other sessions' calls, pings and /healthz are served in between.
+ */
+export class LoopSlicer {
+  private sliceStart = performance.now();
+
+  constructor(private readonly sliceMs = SLICE_MS) {}
+
+  /** `atYield` runs when the slice is used up, before yielding (it may throw to stop the work). */
+  async tick(atYield?: (now: number) => void): Promise<void> {
+    const now = performance.now();
+    if (now - this.sliceStart < this.sliceMs) return;
+    atYield?.(now);
+    await yieldToLoop();
+    this.sliceStart = performance.now();
   }
 }

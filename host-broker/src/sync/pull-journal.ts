@@ -2,6 +2,7 @@ import { execFile } from 'node:child_process';
 import { closeSync, constants, existsSync, fchmodSync, fdatasyncSync, futimesSync, mkdirSync, openSync, promises as fsp, readFileSync, rmSync, statSync, writeSync } from 'node:fs';
 import { join } from 'node:path';
 import { setImmediate as yieldToLoop } from 'node:timers/promises';
+import { LoopSlicer } from '../../../guest-agent/src/workspace/work-budget.ts';
 import { HutchError, toHutchError, type ErrorCode } from '../../../guest-agent/src/protocol/errors.ts';
 import { nameFromBytes } from '../../../guest-agent/src/workspace/names.ts';
 import { at, closeQuietly, lstatAt, mkdirAt, openDirAt, renameAt } from '../../../guest-agent/src/workspace/fd-path.ts';
@@ -116,6 +117,8 @@ export class PullStage {
   private seq = 0;
   private needSyncfs = false;
   private state: 'staging' | 'committed' | 'done' = 'staging';
+  /** The operations in journal order, as committed (apply uses the same). */
+  private ordered: ReturnType<typeof orderOps> | undefined;
 
   private constructor(
     readonly dir: string,
@@ -217,10 +220,18 @@ export class PullStage {
 
   /** Makes the pull durable and decided: after this, a crash replays it. */
   async commit(): Promise<void> {
-    const ops = orderOps(this.ops);
+    this.ordered = orderOps(this.ops);
+    const { ops } = this.ordered;
     const durable = this.opts.durable ?? true;
     const tmp = join(this.dir, JOURNAL_TMP);
-    await fsp.writeFile(tmp, ops.map((o) => JSON.stringify(o)).join('\n'), { mode: 0o600 });
+    // 100,000 operations are megabytes of JSON: made in slices, the loop keeps turning.
+    const slice = new LoopSlicer();
+    const lines: string[] = [];
+    for (const o of ops) {
+      lines.push(JSON.stringify(o));
+      await slice.tick();
+    }
+    await fsp.writeFile(tmp, lines.join('\n'), { mode: 0o600 });
     if (durable) {
       if (this.needSyncfs) await syncFileSystem(this.dir);
       fsyncPath(tmp);
@@ -236,7 +247,7 @@ export class PullStage {
   /** Applies a committed pull to the workspace; returns the entries that could not be applied. */
   async apply(): Promise<{ errors: PullError[]; applied: Array<{ key: string; op: Op['op'] }> }> {
     if (this.state !== 'committed') throw new HutchError('internal', 'pull applied before it was committed');
-    const ops = orderOps(this.ops);
+    const { ops, keys } = this.ordered ?? orderOps(this.ops);
     const errors: PullError[] = [];
     let i = 0;
     for (const _ of applySteps(this.dir, this.root, ops, errors)) {
@@ -248,7 +259,8 @@ export class PullStage {
     finish(this.dir);
     this.state = 'done';
     const failed = new Set(errors.map((e) => e.path));
-    const applied = ops.map((o) => ({ key: nameFromBytes(Buffer.from(o.p, 'base64')), op: o.op })).filter((o) => !failed.has(o.key));
+    // The keys the ops were made from: no decoding 100,000 paths back in one turn of the loop.
+    const applied = ops.map((o, i) => ({ key: keys[i] as string, op: o.op })).filter((o) => !failed.has(o.key));
     return { errors, applied };
   }
 
@@ -272,16 +284,17 @@ export class PullStage {
  * write replaces the entry anyway), so a replayed deletion can never remove what an
  * earlier pass of the same journal put in place.
  */
-function orderOps(all: Map<string, Op>): Op[] {
+function orderOps(all: Map<string, Op>): { ops: Op[]; keys: string[] } {
   const written = new Set<string>();
   for (const [k, o] of all) {
     if (o.op === 'delete') continue;
     for (let i = k.length; i > 0; i = k.lastIndexOf('/', i - 1)) written.add(k.slice(0, i));
   }
-  const keys = [...all.keys()].sort();
-  const deletes = keys.filter((k) => all.get(k)?.op === 'delete' && !written.has(k)).reverse();
-  const rest = keys.filter((k) => all.get(k)?.op !== 'delete');
-  return [...deletes, ...rest].map((k) => all.get(k) as Op);
+  const sorted = [...all.keys()].sort();
+  const deletes = sorted.filter((k) => all.get(k)?.op === 'delete' && !written.has(k)).reverse();
+  const rest = sorted.filter((k) => all.get(k)?.op !== 'delete');
+  const keys = [...deletes, ...rest];
+  return { ops: keys.map((k) => all.get(k) as Op), keys };
 }
 
 /**

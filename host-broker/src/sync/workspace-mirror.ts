@@ -7,6 +7,7 @@ import type { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { hasEscapedBytes, nameFromBytes, nameToBytes } from '../../../guest-agent/src/workspace/names.ts';
 import type { WorkspaceSync } from '../../../guest-agent/src/workspace/sync.ts';
 import { readSmallFile } from '../../../guest-agent/src/workspace/sync-path.ts';
+import { LoopSlicer } from '../../../guest-agent/src/workspace/work-budget.ts';
 import type { AgentClient } from '../agent-client.ts';
 import { diffManifests, hostPathBytes, scanTree, statEntry, type Manifest, type ManifestEntry } from './manifest.ts';
 import { PullStage, type PullError, type PullHook } from './pull-journal.ts';
@@ -170,10 +171,14 @@ export class WorkspaceMirror {
     const counts = { files: 0, bytes: 0, deleted: 0 };
     let newMarker: string;
     let state: ResultOf<'agent.state'> | undefined;
+    const slice = new LoopSlicer();
     try {
       const r = await agent.syncChanges({ since: marker, inlineMaxBytes: INLINE_MAX, maxFileBytes, ...(opts.state ? { state: opts.state } : {}) }, async (batch) => {
         for (const s of batch.skipped) errors.push({ path: nameFromBytes(s.path), code: s.code, message: s.message });
         for (let i = 0; i < batch.changes.length; i += STAGE_CONCURRENCY) {
+          // Small files stage with synchronous syscalls and buffered records arrive without
+          // a turn of the loop: a 100,000-file pull held it for a second at a time.
+          await slice.tick();
           const part = batch.changes.slice(i, i + STAGE_CONCURRENCY);
           await settleAll(part.map((e) => this.stageEntry(agent, stage, e, maxFileBytes, fetchLater, errors, counts)));
         }
@@ -191,7 +196,7 @@ export class WorkspaceMirror {
         await stage.commit();
         const applied = await stage.apply();
         errors.push(...applied.errors);
-        this.noteApplied(applied.applied);
+        await this.noteApplied(applied.applied);
       } else await stage.discard();
     } catch (err) {
       await stage.discard().catch(() => undefined);
@@ -260,14 +265,21 @@ export class WorkspaceMirror {
   }
 
   /** The guest now holds what the host holds for the applied paths. */
-  private noteApplied(applied: Array<{ key: string; op: string }>): void {
-    for (const a of applied) this.unpulled.delete(a.key);
-    const deleted = applied.filter((a) => a.op === 'delete').map((a) => `${a.key}/`);
-    if (deleted.length) for (const u of [...this.unpulled]) if (deleted.some((d) => u.startsWith(d))) this.unpulled.delete(u);
+  private async noteApplied(applied: Array<{ key: string; op: string }>): Promise<void> {
+    const deleted = new Set<string>();
+    for (const a of applied) {
+      this.unpulled.delete(a.key);
+      if (a.op === 'delete') deleted.add(a.key);
+    }
+    if (deleted.size) for (const u of [...this.unpulled]) if (hasAncestorIn(u, deleted)) this.unpulled.delete(u);
     const view = this.guestView ?? new Map();
-    removeWithChildren(view, new Set(applied.filter((a) => a.op === 'delete').map((a) => a.key)));
+    removeWithChildren(view, deleted);
+    const slice = new LoopSlicer();
     for (const a of applied) {
       if (a.op === 'delete') continue;
+      // An lstat per entry: 100,000 of them held the loop for most of a second, every
+      // other session's calls behind them. Others go between slices.
+      await slice.tick();
       const e = statEntry(this.hostWs.root, a.key);
       if (e) view.set(a.key, e);
       else view.delete(a.key);
@@ -371,12 +383,11 @@ async function settleAll(ps: Array<Promise<void>>): Promise<void> {
 /** Removes the given paths and everything under them from a manifest, in one pass. */
 function removeWithChildren(view: Manifest, gone: Set<string>): void {
   if (gone.size === 0) return;
-  for (const k of [...view.keys()]) {
-    for (let i = k.length; i > 0; i = k.lastIndexOf('/', i - 1)) {
-      if (gone.has(k.slice(0, i))) {
-        view.delete(k);
-        break;
-      }
-    }
-  }
+  for (const k of [...view.keys()]) if (gone.has(k) || hasAncestorIn(k, gone)) view.delete(k);
+}
+
+/** Whether a proper ancestor of `key` is in `set`: one lookup per level, whatever the set's size. */
+function hasAncestorIn(key: string, set: ReadonlySet<string>): boolean {
+  for (let i = key.lastIndexOf('/'); i > 0; i = key.lastIndexOf('/', i - 1)) if (set.has(key.slice(0, i))) return true;
+  return false;
 }
