@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { existsSync, lstatSync, readdirSync, truncateSync } from 'node:fs';
+import { createHash } from 'node:crypto';
+import { existsSync, lstatSync, readdirSync, readFileSync, truncateSync } from 'node:fs';
 import { join } from 'node:path';
 import type { Hutch } from '../../host-broker/src/sdk/index.ts';
 import { startBroker, type TestBroker } from '../helpers/broker.ts';
@@ -136,6 +137,29 @@ describe('the workspace quota in a real VM', { tags: ['vm'] }, () => {
     const err = await sb.run('head -c 20000000 /dev/zero > /work/big.bin; df -k /work', { route: 'vm' }).catch((e: unknown) => e);
     expect(err).toMatchObject({ code: 'quota_exceeded', context: { limit: 'bytes', quota: 8 * MiB } });
     expect(lstatSync(join(wsOf(b, sb.id), 'big.bin')).size).toBeLessThanOrEqual(8 * MiB);
+    await sb.close();
+  }, 900_000);
+
+  it('hard links and sparse files made in the VM do not fill the host: the call fails typed, the guest keeps them, and they come back once within the quota', async () => {
+    // The guest's /work holds this in 4 MB; on the host every link is a file and the sparse
+    // file is written out: 4 MB x 51 + 60 MiB, far above the 8 MiB quota.
+    const sb = await hutch.create({ workspace: { files: { 'a.txt': 'x\n' } }, quota: { bytes: 8 * MiB } });
+    const make = 'head -c 4000000 /dev/urandom > big; for i in $(seq 1 50); do ln big l$i; done; truncate -s 60M sparse; sha256sum big';
+    const err = await sb.run(make, { route: 'vm' }).catch((e: unknown) => e);
+    expect(err).toMatchObject({ code: 'quota_exceeded', context: { limit: 'bytes', quota: 8 * MiB } });
+    const ws = wsOf(b, sb.id);
+    expect(readdirSync(ws)).toEqual(['a.txt']);
+    // Nothing the pull staged is left on the host either (the session's state dir).
+    const sessionDir = join(b.dataDir, 'sessions', sb.id);
+    const allocated = (p: string): number => {
+      const st = lstatSync(p);
+      return st.blocks * 512 + (st.isDirectory() ? readdirSync(p).reduce((n, c) => n + allocated(join(p, c)), 0) : 0);
+    };
+    expect(allocated(sessionDir)).toBeLessThan(MiB);
+    // The guest kept everything; without the links and the sparse file, it all fits and comes back.
+    const fixed = await sb.run('rm l* sparse; sha256sum big', { route: 'vm' });
+    expect(fixed.stdout.split(' ')[0]).toBe(createHash('sha256').update(readFileSync(join(ws, 'big'))).digest('hex'));
+    expect(readdirSync(ws).sort()).toEqual(['a.txt', 'big']);
     await sb.close();
   }, 900_000);
 

@@ -451,7 +451,7 @@ class QemuSandbox implements Sandbox {
 
   /** Pulls what the guest changed in /work since the marker: the bytes pulled, what could not be, and the guest's state after. */
   private async pullBack(): Promise<{ bytes: number; errors: PullError[]; state: ResultOf<'agent.state'> }> {
-    const pulled = await this.guard(() => this.mirror.pull(this.agent, this.marker, this.maxFileBytes, { state: { maxPaths: 200 } }));
+    const pulled = await this.guard(() => this.mirror.pull(this.agent, this.marker, this.maxFileBytes, { state: { maxPaths: 200 }, quota: this.spec.quota }));
     this.marker = pulled.marker;
     if (pulled.stats.errors.length) this.log.warn('sync.pull_errors', { session: this.spec.session, count: pulled.stats.errors.length, first: pulled.stats.errors.slice(0, 5) });
     // The agent answers agent.state in the pull's own round trip (an older agent does not: ask).

@@ -139,12 +139,15 @@ export class PullStage {
     return this.ops.size;
   }
 
-  /** Stages a regular file's content; returns its size. Refuses more than maxBytes. */
-  async stageFile(path: Uint8Array, content: Uint8Array | AsyncIterable<Uint8Array>, o: { mode: number; mtimeMs?: number | undefined; maxBytes: number }): Promise<number> {
+  /**
+   * Stages a regular file's content; returns its size. Refuses more than maxBytes, with
+   * `tooLarge`'s error when given (the limit was the pull's quota, not the file size limit).
+   */
+  async stageFile(path: Uint8Array, content: Uint8Array | AsyncIterable<Uint8Array>, o: { mode: number; mtimeMs?: number | undefined; maxBytes: number; tooLarge?: (() => HutchError) | undefined }): Promise<number> {
     const key = this.check(path);
     const s = this.seq++;
     const file = join(this.dir, FILES, String(s));
-    const tooLarge = () => new HutchError('too_large', `${key} is larger than the sync limit of ${o.maxBytes} bytes`, { path: key, limit: o.maxBytes });
+    const tooLarge = o.tooLarge ?? (() => new HutchError('too_large', `${key} is larger than the sync limit of ${o.maxBytes} bytes`, { path: key, limit: o.maxBytes }));
     const syncEach = this.syncEachFile();
     const flags = constants.O_WRONLY | constants.O_CREAT | constants.O_EXCL | constants.O_NOFOLLOW;
     let n = 0;

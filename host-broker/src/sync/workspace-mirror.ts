@@ -77,6 +77,13 @@ export interface PullStats {
   failed: Array<{ path: string; code: string; message: string }>;
 }
 
+export interface PullOptions {
+  /** Have the agent answer agent.state in the pull's last round trip. */
+  state?: { maxPaths: number };
+  /** The session's workspace quota: the most this pull may stage on the host (PullBudget). */
+  quota?: { bytes: number; files: number } | undefined;
+}
+
 export interface MirrorOptions {
   /**
    * The session's state dir (sessions/<id>/state), where a pull stages its files. Default:
@@ -163,12 +170,13 @@ export class WorkspaceMirror {
    * ends as it was or with every carried change, never a mix, even if the broker dies
    * midway. Returns the new marker and, in `stats.errors`, everything not carried.
    */
-  async pull(agent: AgentClient, marker: string, maxFileBytes: number, opts: { state?: { maxPaths: number } } = {}): Promise<{ marker: string; stats: PullStats; state?: ResultOf<'agent.state'> | undefined }> {
+  async pull(agent: AgentClient, marker: string, maxFileBytes: number, opts: PullOptions = {}): Promise<{ marker: string; stats: PullStats; state?: ResultOf<'agent.state'> | undefined }> {
     const t0 = performance.now();
     const stage = await PullStage.begin(this.hostWs.root, { stateDir: this.stateDir, durable: this.opts.durable ?? true, hook: this.opts.hook });
     const errors: PullError[] = [];
     const fetchLater: SyncEntry[] = [];
     const counts = { files: 0, bytes: 0, deleted: 0 };
+    const budget = new PullBudget(opts.quota);
     let newMarker: string;
     let state: ResultOf<'agent.state'> | undefined;
     const slice = new LoopSlicer();
@@ -180,7 +188,7 @@ export class WorkspaceMirror {
           // a turn of the loop: a 100,000-file pull held it for a second at a time.
           await slice.tick();
           const part = batch.changes.slice(i, i + STAGE_CONCURRENCY);
-          await settleAll(part.map((e) => this.stageEntry(agent, stage, e, maxFileBytes, fetchLater, errors, counts)));
+          await settleAll(part.map((e) => this.stageEntry(agent, stage, e, maxFileBytes, budget, fetchLater, errors, counts)));
         }
       });
       newMarker = r.marker;
@@ -188,7 +196,12 @@ export class WorkspaceMirror {
       // Files too large to inline come one by one on their own streams, after the change set.
       for (const e of fetchLater) {
         await this.guardEntry(agent, e, errors, async () => {
-          counts.bytes += await stage.stageFile(e.path, agent.syncReadStream(e.path), { mode: e.mode ?? 0o644, mtimeMs: e.mtimeMs, maxBytes: maxFileBytes });
+          budget.entry(e);
+          // The stream is cut at what the quota has left, whatever size the guest announced.
+          const room = budget.roomFor(e, maxFileBytes);
+          const n = await stage.stageFile(e.path, agent.syncReadStream(e.path), { mode: e.mode ?? 0o644, mtimeMs: e.mtimeMs, ...room });
+          budget.file(e, n);
+          counts.bytes += n;
           counts.files++;
         });
       }
@@ -222,6 +235,7 @@ export class WorkspaceMirror {
     stage: PullStage,
     e: SyncEntry,
     maxFileBytes: number,
+    budget: PullBudget,
     fetchLater: SyncEntry[],
     errors: PullError[],
     counts: { files: number; bytes: number; deleted: number },
@@ -233,10 +247,12 @@ export class WorkspaceMirror {
           counts.deleted++;
           return;
         case 'dir':
+          budget.entry(e, BLOCK);
           stage.mkdir(e.path, e.mode ?? 0o755);
           return;
         case 'symlink':
           if (!e.target) throw new HutchError('bad_request', `symlink ${nameFromBytes(e.path)} came without a target`);
+          budget.entry(e);
           await stage.stageSymlink(e.path, e.target);
           return;
         case 'file':
@@ -245,6 +261,8 @@ export class WorkspaceMirror {
             fetchLater.push(e);
             return;
           }
+          budget.entry(e);
+          budget.file(e, e.data.length);
           counts.bytes += await stage.stageFile(e.path, e.data, { mode: e.mode ?? 0o644, mtimeMs: e.mtimeMs, maxBytes: maxFileBytes });
           counts.files++;
           return;
@@ -372,7 +390,58 @@ export class WorkspaceMirror {
 }
 
 /** Errors that mean the pull as a whole cannot be trusted: it is discarded and the call fails. */
-const FATAL_PULL_CODES = new Set(['no_space', 'connection_closed', 'guest_crashed', 'cancelled', 'timeout']);
+const FATAL_PULL_CODES = new Set(['no_space', 'quota_exceeded', 'connection_closed', 'guest_crashed', 'cancelled', 'timeout']);
+
+/** Allocation unit the budget assumes on the host (as the quota's planned writes do). */
+const BLOCK = 4096;
+
+/**
+ * What one pull may stage on the host: at most the session's quota, in allocated bytes and
+ * entries. The guest's /work is sized to the quota, but what it holds is not what the host
+ * would store: a file hard-linked 1,000 times there is 1,000 files here, and a sparse file
+ * is written out in full. Without this a tenant fills the host's disk for every tenant
+ * (measured: 4 MB and 50 links in an 8 MiB-quota VM put 322 MB in its host workspace).
+ * Everything staged ends in the tree the pull commits, so staging beyond the quota is
+ * never a workspace within it: the pull fails whole, typed, and the guest keeps its changes.
+ */
+class PullBudget {
+  private bytes = 0;
+  private entries = 0;
+
+  constructor(private readonly quota: { bytes: number; files: number } | undefined) {}
+
+  /** Counts an entry (and `bytes` of allocation for it), refusing one beyond the quota. */
+  entry(e: SyncEntry, bytes = 0): void {
+    if (!this.quota) return;
+    this.entries++;
+    this.bytes += bytes;
+    if (this.entries > this.quota.files) throw this.over(e, 'files');
+    if (this.bytes > this.quota.bytes) throw this.over(e, 'bytes');
+  }
+
+  /** Counts a file's content as the host allocates it. */
+  file(e: SyncEntry, size: number): void {
+    if (!this.quota) return;
+    this.bytes += Math.ceil(size / BLOCK) * BLOCK;
+    if (this.bytes > this.quota.bytes) throw this.over(e, 'bytes');
+  }
+
+  /** The most a streamed file may bring, and the error past it when that is the quota's doing. */
+  roomFor(e: SyncEntry, maxFileBytes: number): { maxBytes: number; tooLarge?: () => HutchError } {
+    const left = this.quota ? this.quota.bytes - this.bytes : Infinity;
+    return left < maxFileBytes ? { maxBytes: Math.max(0, left), tooLarge: () => this.over(e, 'bytes') } : { maxBytes: maxFileBytes };
+  }
+
+  private over(e: SyncEntry, limit: 'bytes' | 'files'): HutchError {
+    const q = this.quota ?? { bytes: 0, files: 0 };
+    const what = limit === 'bytes' ? `more than the workspace quota of ${q.bytes} bytes` : `more than the workspace quota of ${q.files} files`;
+    return new HutchError(
+      'quota_exceeded',
+      `workspace quota exceeded: the guest's changes to /work take ${what} on the host (hard links and sparse files count in full there), at ${nameFromBytes(e.path)}; nothing was carried back: remove files in the VM`,
+      { limit, quota: q[limit], path: nameFromBytes(e.path), quotaBytes: q.bytes, quotaFiles: q.files },
+    );
+  }
+}
 
 /** Waits for every promise, then throws the first failure (none is left running behind the throw). */
 async function settleAll(ps: Array<Promise<void>>): Promise<void> {
