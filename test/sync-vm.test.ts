@@ -75,6 +75,25 @@ describe('workspace sync with real VMs', { tags: ['vm'] }, () => {
     await sb.close();
   }, 900_000);
 
+  it('2,000 FIFOs made in the VM: the call lists 100 sync errors and counts the rest, and the idle VM keeps them (it is not killed)', async () => {
+    // A tenant can make as many entries the host cannot take as the entry quota allows, with
+    // 4 KiB names: listing them all made a call result of up to a gigabyte.
+    const sb = await hutch.create({ workspace: { files: { 'a.txt': 'x\n' } } });
+    const r = await sb.run(`python3 -c "import os; [os.mkfifo('fifo%d-' % i + 'n' * 100) for i in range(2000)]"`, { route: 'vm' });
+    expect(r.exitCode).toBe(0);
+    expect(r.syncErrors?.length).toBe(100);
+    expect(r.syncErrors?.every((e) => e.code === 'unsupported_file_type' && e.path.startsWith('fifo'))).toBe(true);
+    expect(r.syncErrorsOmitted).toBe(1900);
+    const ws = join(b.dataDir, 'sessions', sb.id, 'workspace');
+    expect(readdirSync(ws)).toEqual(['a.txt']);
+    await sb.hint('idle'); // entries only the guest holds: the release keeps the VM's state
+    await waitFor(async () => !(await hutch.sessions()).find((x) => x.session === sb.id)?.live);
+    const again = await sb.run('ls /work | grep -c ^fifo', { route: 'vm' });
+    expect({ woke: again.woke, stdout: again.stdout }).toEqual({ woke: true, stdout: '2000\n' });
+    expect(again.syncErrors).toBeUndefined(); // reported once, by the call that made them
+    await sb.close();
+  }, 900_000);
+
   it('a tree deeper than any sync path, made in the VM or on the host, is reported once and never fails the session\'s calls', async () => {
     const sb = await hutch.create({ workspace: { files: { 'a.txt': 'x\n' } } });
     const lifecycle = b.broker.sessions.get(sb.id).vm;

@@ -1,4 +1,5 @@
 import { afterEach, describe, expect, it } from 'vitest';
+import { execFileSync } from 'node:child_process';
 import { existsSync, linkSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, symlinkSync, truncateSync, unlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -8,6 +9,7 @@ import { WorkspaceMirror } from '../../host-broker/src/sync/workspace-mirror.ts'
 import { measureWorkspace } from '../../host-broker/src/sessions/workspace-quota.ts';
 
 /**
+ * What a guest's /work holds reaches the host only within bounds the tenant cannot move.
  * The guest's /work is sized to the session's quota, but what fits there is not what the
  * host stores: a file hard-linked N times there is N files on the host, and a sparse file is
  * written out in full. A pull stages at most the quota; past it the pull fails whole, typed,
@@ -80,6 +82,21 @@ describe('a pull stages at most the workspace quota', () => {
     const ok = await mirror.pull(guest.client, marker, 64 * MiB, { quota: { bytes: 64 * MiB, files: 1000 } });
     expect(ok.stats.errors).toEqual([]);
     expect(readFileSync(join(host, 'sparse.img')).length).toBe(40 * MiB);
+  });
+
+  it('FIFOs (entries the sync cannot carry) count as entries; the result lists 100 and counts the rest; the mirror remembers at most 10,000', async () => {
+    const { host, guest, mirror, marker } = await started();
+    execFileSync('python3', ['-c', `import os\nfor i in range(10050): os.mkfifo(os.path.join(${JSON.stringify(guest.root)}, 'p%05d' % i))`]);
+    await expect(mirror.pull(guest.client, marker, 64 * MiB, { quota: { bytes: 2 * MiB, files: 5000 } })).rejects.toMatchObject({ code: 'quota_exceeded', context: { limit: 'files', quota: 5000 } });
+    expect(mirror.unpulled.size).toBe(0);
+    const r = await mirror.pull(guest.client, marker, 64 * MiB, { quota: { bytes: 2 * MiB, files: 20_000 } });
+    expect(r.stats.errors.length).toBe(100);
+    expect(r.stats.errors.every((e) => e.code === 'unsupported_file_type')).toBe(true);
+    expect(r.stats.errorsOmitted).toBe(9950);
+    expect(r.stats.skipped.length).toBe(100);
+    expect(mirror.unpulled.size).toBe(10_000);
+    expect(mirror.unpulledOverflow).toBe(true);
+    expect(readdirSync(host)).toEqual(['keep.txt']);
   });
 
   it('directories and symlinks count as entries; deletions cost nothing', async () => {

@@ -204,6 +204,8 @@ export const CallResultSchema = z.object({
    * one entry per path. The rest of the call's changes did land.
    */
   syncErrors: z.array(z.object({ path: z.string(), code: z.string(), message: z.string() })).optional(),
+  /** More such entries than `syncErrors` lists (it lists the first 100): how many more. */
+  syncErrorsOmitted: z.number().int().nonnegative().optional(),
   /** The tool's own result: bash -> BashResult; file tools -> the file tool result. */
   result: z.unknown(),
 });

@@ -85,6 +85,8 @@ export interface SyncedExecResult extends ExecResult {
   pushedBytes: number;
   pulledBytes: number;
   syncErrors?: SyncError[];
+  /** Sync errors past the ones listed (MAX_REPORTED_PULL_ERRORS): counted only. */
+  syncErrorsOmitted?: number;
 }
 
 /** What a call made against the agent returned, with the workspace traffic it caused. */
@@ -94,6 +96,8 @@ export interface Synced<T> {
   pulledBytes: number;
   /** What the pull-back could not carry to the host. */
   syncErrors?: SyncError[];
+  /** Sync errors past the ones listed: counted only. */
+  syncErrorsOmitted?: number;
 }
 
 export interface StartOptions {

@@ -419,7 +419,7 @@ class QemuSandbox implements Sandbox {
 
   async exec(req: SandboxExecRequest, hostChanges: HostChanges): Promise<SyncedExecResult> {
     const r = await this.synced((agent) => agent.exec(req).result, hostChanges);
-    return { ...r.value, pushedBytes: r.pushedBytes, pulledBytes: r.pulledBytes, ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}) };
+    return { ...r.value, pushedBytes: r.pushedBytes, pulledBytes: r.pulledBytes, ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}), ...(r.syncErrorsOmitted ? { syncErrorsOmitted: r.syncErrorsOmitted } : {}) };
   }
 
   async synced<T>(fn: (agent: AgentClient) => Promise<T>, hostChanges: HostChanges): Promise<Synced<T>> {
@@ -446,18 +446,18 @@ class QemuSandbox implements Sandbox {
       throw err;
     }
     const pulled = await this.pullBack();
-    return { value, pushedBytes, pulledBytes: pulled.bytes, ...(pulled.errors.length ? { syncErrors: pulled.errors } : {}) };
+    return { value, pushedBytes, pulledBytes: pulled.bytes, ...(pulled.errors.length ? { syncErrors: pulled.errors } : {}), ...(pulled.errorsOmitted ? { syncErrorsOmitted: pulled.errorsOmitted } : {}) };
   }
 
   /** Pulls what the guest changed in /work since the marker: the bytes pulled, what could not be, and the guest's state after. */
-  private async pullBack(): Promise<{ bytes: number; errors: PullError[]; state: ResultOf<'agent.state'> }> {
+  private async pullBack(): Promise<{ bytes: number; errors: PullError[]; errorsOmitted: number; state: ResultOf<'agent.state'> }> {
     const pulled = await this.guard(() => this.mirror.pull(this.agent, this.marker, this.maxFileBytes, { state: { maxPaths: 200 }, quota: this.spec.quota }));
     this.marker = pulled.marker;
-    if (pulled.stats.errors.length) this.log.warn('sync.pull_errors', { session: this.spec.session, count: pulled.stats.errors.length, first: pulled.stats.errors.slice(0, 5) });
+    if (pulled.stats.errors.length) this.log.warn('sync.pull_errors', { session: this.spec.session, count: pulled.stats.errors.length + pulled.stats.errorsOmitted, first: pulled.stats.errors.slice(0, 5) });
     // The agent answers agent.state in the pull's own round trip (an older agent does not: ask).
     const st = pulled.state ?? (await this.guard(() => this.agent.call('agent.state', { maxPaths: 200 })));
     this.home = st.dirtyPaths.filter((p) => p.startsWith(GUEST_HOME)).map((p) => p.slice(GUEST_HOME.length));
-    return { bytes: pulled.stats.bytes, errors: pulled.stats.errors, state: st };
+    return { bytes: pulled.stats.bytes, errors: pulled.stats.errors, errorsOmitted: pulled.stats.errorsOmitted, state: st };
   }
 
   async reclaim(): Promise<ReclaimInfo> {
@@ -506,6 +506,7 @@ class QemuSandbox implements Sandbox {
     // Workspace entries the host could not take (a FIFO, a file over the limit) live only in
     // the guest: killing it would lose them, so they count as state to keep, like a ~/.gitconfig.
     const unpulled = [...this.mirror.unpulled].slice(0, 50).map((p) => `work/${p}`);
+    if (this.mirror.unpulledOverflow) unpulled.push('work/ (and more entries the host could not take)');
     return { dirty: st.dirty || unpulled.length > 0, dirtyPaths: [...st.dirtyPaths.slice(0, 50), ...unpulled], processes: st.processes };
   }
 

@@ -76,7 +76,7 @@ function where(i: CallInfo): string {
 }
 
 function info(i: CallInfo): Record<string, unknown> {
-  return { route: i.route, reason: i.reason, addedMs: i.addedMs, woke: i.woke, ...(i.syncErrors ? { syncErrors: i.syncErrors } : {}) };
+  return { route: i.route, reason: i.reason, addedMs: i.addedMs, woke: i.woke, ...(i.syncErrors ? { syncErrors: i.syncErrors } : {}), ...(i.syncErrorsOmitted ? { syncErrorsOmitted: i.syncErrorsOmitted } : {}) };
 }
 
 function ok(text: string, structured: Record<string, unknown>): CallToolResult {

@@ -82,6 +82,8 @@ export interface CallInfo {
   timing: CallResult['timing'];
   /** Changes the call made in the VM that could not reach the host workspace (typed; absent when none). */
   syncErrors?: NonNullable<CallResult['syncErrors']>;
+  /** How many more such changes there were than `syncErrors` lists (it lists the first 100). */
+  syncErrorsOmitted?: number;
 }
 
 export interface RunResult extends CallInfo {
@@ -133,7 +135,7 @@ export interface DownloadOptions {
 export type FileResult<M extends MethodName> = ResultOf<M> & CallInfo;
 
 function callInfo(r: CallResult): CallInfo {
-  return { route: r.route, reason: r.reason, addedMs: r.timing.addedMs, woke: r.woke, timing: r.timing, ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}) };
+  return { route: r.route, reason: r.reason, addedMs: r.timing.addedMs, woke: r.woke, timing: r.timing, ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}), ...(r.syncErrorsOmitted ? { syncErrorsOmitted: r.syncErrorsOmitted } : {}) };
 }
 
 /** The broker's first frame. */

@@ -152,6 +152,7 @@ export class Session {
         },
         result: r.result,
         ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}),
+        ...(r.syncErrorsOmitted ? { syncErrorsOmitted: r.syncErrorsOmitted } : {}),
       };
       this.deps.metrics?.recordCall({
         tool,
@@ -222,6 +223,7 @@ export class Session {
         pushedBytes: out.value.pushedBytes + (out.wake.pushedBytes ?? 0),
         pulledBytes: out.value.pulledBytes,
         syncErrors: out.value.syncErrors,
+        syncErrorsOmitted: out.value.syncErrorsOmitted,
         result: out.value.value.result,
       };
     }
@@ -268,6 +270,7 @@ export class Session {
     let pushedBytes = 0;
     let pulledBytes = 0;
     let syncErrors: SyncError[] | undefined;
+    let syncErrorsOmitted: number | undefined;
     // A command on the host workspace (the fast path, unsafe-local) is bounded while it
     // writes: no file past the quota's remaining bytes (RLIMIT_FSIZE), the usage watched
     // during a long run (many files), measured after. A VM's /work is sized from the quota.
@@ -298,6 +301,7 @@ export class Session {
         pushedBytes = out.value.pushedBytes + (out.wake.pushedBytes ?? 0);
         pulledBytes = out.value.pulledBytes;
         syncErrors = out.value.syncErrors;
+        syncErrorsOmitted = out.value.syncErrorsOmitted;
       }
     } catch (e) {
       throw over.signal.aborted ? over.signal.reason : e;
@@ -317,6 +321,7 @@ export class Session {
       pulledBytes,
       usage: r.usage,
       syncErrors,
+      syncErrorsOmitted,
       result: {
         exitCode: r.exitCode,
         signal: r.signal,
@@ -346,6 +351,7 @@ interface Dispatched {
   pulledBytes?: number;
   usage?: CallUsage | undefined;
   syncErrors?: SyncError[] | undefined;
+  syncErrorsOmitted?: number | undefined;
 }
 
 /** Keeps the first `cap` bytes of a stream for the result while forwarding every chunk. */

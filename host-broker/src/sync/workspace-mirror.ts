@@ -71,6 +71,8 @@ export interface PullStats {
    * `outside_workspace`), and entries that failed to apply. The call's result carries it.
    */
   errors: PullError[];
+  /** Errors past the first MAX_REPORTED_PULL_ERRORS: counted, not listed (a guest can make 200,000 FIFOs). */
+  errorsOmitted: number;
   /** The errors that are entries the sync cannot carry (type, size), as {path, reason}. */
   skipped: Array<{ path: string; reason: string }>;
   /** The other errors (the entry was carried but could not be applied). */
@@ -119,6 +121,11 @@ export class WorkspaceMirror {
    * snapshotting it loses them, so the release decision should weigh a non-empty set.
    */
   readonly unpulled = new Set<string>();
+  /**
+   * More paths went unpulled than `unpulled` keeps (MAX_UNPULLED): the guest is taken to
+   * hold some of them for as long as this mirror lives (its VM is kept, never killed).
+   */
+  unpulledOverflow = false;
   private readonly stateDir: string | undefined;
 
   constructor(
@@ -173,7 +180,7 @@ export class WorkspaceMirror {
   async pull(agent: AgentClient, marker: string, maxFileBytes: number, opts: PullOptions = {}): Promise<{ marker: string; stats: PullStats; state?: ResultOf<'agent.state'> | undefined }> {
     const t0 = performance.now();
     const stage = await PullStage.begin(this.hostWs.root, { stateDir: this.stateDir, durable: this.opts.durable ?? true, hook: this.opts.hook });
-    const errors: PullError[] = [];
+    const errors = new PullErrorLog();
     const fetchLater: SyncEntry[] = [];
     const counts = { files: 0, bytes: 0, deleted: 0 };
     const budget = new PullBudget(opts.quota);
@@ -182,7 +189,11 @@ export class WorkspaceMirror {
     const slice = new LoopSlicer();
     try {
       const r = await agent.syncChanges({ since: marker, inlineMaxBytes: INLINE_MAX, maxFileBytes, ...(opts.state ? { state: opts.state } : {}) }, async (batch) => {
-        for (const s of batch.skipped) errors.push({ path: nameFromBytes(s.path), code: s.code, message: s.message });
+        for (const s of batch.skipped) {
+          // What cannot be carried is still an entry of the guest's /work: within the quota.
+          budget.entry(s);
+          errors.push({ path: nameFromBytes(s.path), code: s.code, message: s.message });
+        }
         for (let i = 0; i < batch.changes.length; i += STAGE_CONCURRENCY) {
           // Small files stage with synchronous syscalls and buffered records arrive without
           // a turn of the loop: a 100,000-file pull held it for a second at a time.
@@ -215,17 +226,23 @@ export class WorkspaceMirror {
       await stage.discard().catch(() => undefined);
       throw err;
     }
-    for (const e of errors) this.unpulled.add(e.path);
+    for (const p of errors.paths) {
+      if (this.unpulled.size < MAX_UNPULLED) this.unpulled.add(p);
+      else this.unpulledOverflow = true;
+    }
+    if (errors.pathsOmitted) this.unpulledOverflow = true;
     const carryLimits = new Set(['too_large', 'unsupported_file_type']);
+    const listed = errors.listed;
     return {
       marker: newMarker,
       state,
       stats: {
         ...counts,
         ms: performance.now() - t0,
-        errors,
-        skipped: errors.filter((e) => carryLimits.has(e.code)).map((e) => ({ path: e.path, reason: e.message })),
-        failed: errors.filter((e) => !carryLimits.has(e.code)),
+        errors: listed,
+        errorsOmitted: errors.omitted,
+        skipped: listed.filter((e) => carryLimits.has(e.code)).map((e) => ({ path: e.path, reason: e.message })),
+        failed: listed.filter((e) => !carryLimits.has(e.code)),
       },
     };
   }
@@ -237,7 +254,7 @@ export class WorkspaceMirror {
     maxFileBytes: number,
     budget: PullBudget,
     fetchLater: SyncEntry[],
-    errors: PullError[],
+    errors: PullErrorLog,
     counts: { files: number; bytes: number; deleted: number },
   ): Promise<void> {
     await this.guardEntry(agent, e, errors, async () => {
@@ -271,7 +288,7 @@ export class WorkspaceMirror {
   }
 
   /** One entry's failure is that entry's typed error; a dead channel or a full host disk fails the whole pull. */
-  private async guardEntry(agent: AgentClient, e: SyncEntry, errors: PullError[], fn: () => Promise<void>): Promise<void> {
+  private async guardEntry(agent: AgentClient, e: SyncEntry, errors: PullErrorLog, fn: () => Promise<void>): Promise<void> {
     try {
       await fn();
     } catch (err) {
@@ -392,6 +409,32 @@ export class WorkspaceMirror {
 /** Errors that mean the pull as a whole cannot be trusted: it is discarded and the call fails. */
 const FATAL_PULL_CODES = new Set(['no_space', 'quota_exceeded', 'connection_closed', 'guest_crashed', 'cancelled', 'timeout']);
 
+/** Errors a pull lists one by one in its result; past this it counts them. */
+export const MAX_REPORTED_PULL_ERRORS = 100;
+/** Unpulled paths a mirror remembers (each up to 4 KiB); past this it only knows there are more. */
+const MAX_UNPULLED = 10_000;
+
+/**
+ * A pull's errors: the first MAX_REPORTED_PULL_ERRORS listed, the rest counted, and the paths
+ * for `unpulled` up to MAX_UNPULLED. A tenant's 200,000 FIFOs with 4 KiB paths would
+ * otherwise be a call result of close to a gigabyte, built in the broker's memory.
+ */
+class PullErrorLog {
+  readonly listed: PullError[] = [];
+  omitted = 0;
+  readonly paths: string[] = [];
+  pathsOmitted = 0;
+
+  push(...es: PullError[]): void {
+    for (const e of es) {
+      if (this.listed.length < MAX_REPORTED_PULL_ERRORS) this.listed.push(e);
+      else this.omitted++;
+      if (this.paths.length < MAX_UNPULLED) this.paths.push(e.path);
+      else this.pathsOmitted++;
+    }
+  }
+}
+
 /** Allocation unit the budget assumes on the host (as the quota's planned writes do). */
 const BLOCK = 4096;
 
@@ -411,7 +454,7 @@ class PullBudget {
   constructor(private readonly quota: { bytes: number; files: number } | undefined) {}
 
   /** Counts an entry (and `bytes` of allocation for it), refusing one beyond the quota. */
-  entry(e: SyncEntry, bytes = 0): void {
+  entry(e: { path: Uint8Array }, bytes = 0): void {
     if (!this.quota) return;
     this.entries++;
     this.bytes += bytes;
@@ -432,7 +475,7 @@ class PullBudget {
     return left < maxFileBytes ? { maxBytes: Math.max(0, left), tooLarge: () => this.over(e, 'bytes') } : { maxBytes: maxFileBytes };
   }
 
-  private over(e: SyncEntry, limit: 'bytes' | 'files'): HutchError {
+  private over(e: { path: Uint8Array }, limit: 'bytes' | 'files'): HutchError {
     const q = this.quota ?? { bytes: 0, files: 0 };
     const what = limit === 'bytes' ? `more than the workspace quota of ${q.bytes} bytes` : `more than the workspace quota of ${q.files} files`;
     return new HutchError(
