@@ -20,6 +20,7 @@ import { BrokerMetrics, listenMetrics } from './metrics.ts';
 import { availableParallelism, totalmem } from 'node:os';
 import { DEFAULT_POLICY, type SandboxPolicy } from './policy/sandbox-policy.ts';
 import { ClusterMember, drainingError, type ClusterOptions } from './catalog/member.ts';
+import { validateSessionSizes, type SessionSizes } from './sessions/session-sizes.ts';
 
 export interface BrokerOptions {
   port: number;
@@ -31,6 +32,8 @@ export interface BrokerOptions {
   dataDir: string;
   /** Host directories sessions may be created from (`workspace: { dir }`); none = refused. */
   workspaceRoots?: readonly string[];
+  /** The VM sizes sessions may ask for (default DEFAULT_SESSION_SIZES: 256-2048 MiB, 1-2 vCPUs). */
+  sessionSizes?: SessionSizes;
   /** Connection limits (frame size, handshake timeout, connection caps, back-pressure). */
   limits?: Partial<WsLimits>;
   /** Also serve /metrics without a token on this separate address (e.g. a scrape-only interface). */
@@ -160,7 +163,7 @@ export class Broker {
         ...(opts.quota ? { quota: opts.quota } : {}),
       },
       opts.log,
-      { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}) },
+      { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}), ...(opts.sessionSizes ? { sizes: validateSessionSizes(opts.sessionSizes) } : {}) },
     );
     this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log });
     this.cluster = opts.cluster ? new ClusterMember(opts.cluster, this, this.principals, opts.log) : undefined;

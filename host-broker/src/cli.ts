@@ -22,6 +22,7 @@ import { CLUSTER_SERVE_FLAGS, clusterFromFlags, drainMsFromFlags, gatewayMain, G
 import type { ClusterOptions } from './catalog/member.ts';
 import { templateMain } from './templates/cli.ts';
 import { defaultDataDir } from './templates/store.ts';
+import { DEFAULT_SESSION_SIZES, parseSizeList, validateSessionSizes, type SessionSizes } from './sessions/session-sizes.ts';
 
 /** One VM restored and warmed ahead of the next wake: about a restored idle VM's memory, for wakes at a fraction of their cold cost. */
 export const DEFAULT_STANDBY = 1;
@@ -71,6 +72,12 @@ serve options:
   --no-build        use the cached guest image only: fail clearly instead of building it
   --standby N       VMs kept restored and warmed for the next wake (default ${DEFAULT_STANDBY}; 0 = none;
                     each costs about one idle VM's memory)
+  --session-memory-mib LIST
+                    guest memory sizes a session may ask for, MiB, comma-separated (default
+                    ${DEFAULT_SESSION_SIZES.memoryMiB.join(',')}; 512 when a create names none and it is listed, else the
+                    smallest); each size first woken costs a pristine snapshot (a cold boot, its image cached)
+  --session-cpus LIST
+                    vCPU counts a session may ask for (default ${DEFAULT_SESSION_SIZES.cpus.join(',')}; 1 when listed, else the smallest)
   --memory-budget-mib N
                     host memory the VMs may reserve, each its full size, standbys included (default 75%
                     of RAM); a wake past it stops a standby or waits, then fails busy
@@ -108,6 +115,8 @@ export interface ServeOptions {
   standby?: number;
   /** Host memory the VMs may reserve, MiB (default: 75% of RAM). */
   memoryBudgetMiB?: number;
+  /** The VM sizes sessions may ask for (default DEFAULT_SESSION_SIZES). */
+  sessionSizes?: SessionSizes;
 }
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
@@ -131,6 +140,7 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     ...(o.token !== undefined ? { token: o.token } : {}),
     ...(o.tokens ? { tokens: o.tokens } : {}),
     ...(o.workspaceRoots ? { workspaceRoots: o.workspaceRoots } : {}),
+    ...(o.sessionSizes ? { sessionSizes: o.sessionSizes } : {}),
     ...(o.limits ? { limits: o.limits } : {}),
     ...(o.metricsListen ? { metricsListen: o.metricsListen } : {}),
     ...(o.policyLevel ? { policyLevel: o.policyLevel } : {}),
@@ -227,6 +237,8 @@ async function main(): Promise<void> {
       'no-build': { type: 'boolean', default: false },
       standby: { type: 'string' },
       'memory-budget-mib': { type: 'string' },
+      'session-memory-mib': { type: 'string' },
+      'session-cpus': { type: 'string' },
       'ready-fd': { type: 'string' },
       'ready-json': { type: 'boolean', default: false },
       help: { type: 'boolean', short: 'h' },
@@ -243,6 +255,11 @@ async function main(): Promise<void> {
   // A generated token only when no principal was configured at all.
   const token = givenToken ?? (tokens ? undefined : randomBytes(16).toString('hex'));
   const dataDir = defaultDataDir(values['data-dir']);
+  // Checked before any work (the guest image, the port): a bad list fails at once.
+  const sessionSizes = validateSessionSizes({
+    memoryMiB: values['session-memory-mib'] !== undefined ? parseSizeList('--session-memory-mib', values['session-memory-mib']) : DEFAULT_SESSION_SIZES.memoryMiB,
+    cpus: values['session-cpus'] !== undefined ? parseSizeList('--session-cpus', values['session-cpus']) : DEFAULT_SESSION_SIZES.cpus,
+  });
   if (values['i-know-unsafe-local'] && values.backend !== 'unsafe-local') throw new HutchError('bad_request', `${UNSAFE_LOCAL_ACK_FLAG} goes with --backend unsafe-local`);
   const limits: Partial<WsLimits> = {
     ...(values['max-frame-mib'] !== undefined ? { maxPayloadBytes: positiveInt('--max-frame-mib', values['max-frame-mib']) * 1024 * 1024 } : {}),
@@ -257,6 +274,7 @@ async function main(): Promise<void> {
     ...(values.backend ? { backend: values.backend } : {}),
     ...(values['i-know-unsafe-local'] ? { acknowledgeUnsafeLocal: true } : {}),
     ...(values['workspace-root'] ? { workspaceRoots: values['workspace-root'] } : {}),
+    sessionSizes,
     limits,
     ...(values['metrics-port'] !== undefined ? { metricsListen: { host: values['metrics-host'], port: Number(values['metrics-port']) } } : {}),
     policyLevel: values.level ?? '4',

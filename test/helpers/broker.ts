@@ -12,6 +12,7 @@ import { Hutch } from '../../host-broker/src/sdk/index.ts';
 import type { SandboxPolicy } from '../../host-broker/src/policy/sandbox-policy.ts';
 import type { WsLimits } from '../../host-broker/src/api/ws-server.ts';
 import type { AdmissionOptions } from '../../host-broker/src/admission.ts';
+import type { SessionSizes } from '../../host-broker/src/sessions/session-sizes.ts';
 
 export interface TestBroker {
   broker: Broker;
@@ -44,6 +45,8 @@ export async function startBroker(
     standby?: number;
     /** Admission limits (the memory budget, queue timeout) instead of the host-sized defaults. */
     admission?: Partial<AdmissionOptions>;
+    /** The VM sizes sessions may ask for. */
+    sessionSizes?: SessionSizes;
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
@@ -67,6 +70,7 @@ export async function startBroker(
     ...(o.metricsListen ? { metricsListen: o.metricsListen } : {}),
     ...(o.quota ? { quota: o.quota } : {}),
     ...(o.admission ? { admission: o.admission } : {}),
+    ...(o.sessionSizes ? { sessionSizes: o.sessionSizes } : {}),
   });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;

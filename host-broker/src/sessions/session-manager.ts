@@ -11,9 +11,7 @@ import { DEFAULT_PRINCIPAL } from '../api/principals.ts';
 import { Session, type SessionDeps, type SessionMeta } from './session.ts';
 import { populateWorkspace } from './workspace-source.ts';
 import { DEFAULT_QUOTA } from './workspace-quota.ts';
-
-export const DEFAULT_CPUS = 1;
-export const DEFAULT_MEMORY_MIB = 512;
+import { DEFAULT_SESSION_SIZES, sessionSize, type SessionSizes } from './session-sizes.ts';
 
 /** session.json: the session's metadata plus the principal that owns it. */
 type StoredMeta = SessionMeta & { owner?: string };
@@ -33,6 +31,8 @@ const REMOVING_PREFIX = '.removing-';
 export interface SessionManagerOptions {
   /** Host directories `create({ workspace: { dir } })` may copy from; none = dir sources refused. */
   workspaceRoots?: readonly string[];
+  /** The VM sizes a create may ask for (default DEFAULT_SESSION_SIZES; see session-sizes.ts). */
+  sizes?: SessionSizes;
 }
 
 /**
@@ -95,12 +95,13 @@ export class SessionManager {
       if (asked !== undefined && asked > broker[k]) throw new HutchError('bad_request', `quota.${k} may be at most the broker's ${broker[k]} (asked ${asked})`, { limit: k, asked, quota: broker[k] });
     }
     const quota = { bytes: p.quota?.bytes ?? broker.bytes, files: p.quota?.files ?? broker.files };
+    const size = sessionSize(this.opts.sizes ?? DEFAULT_SESSION_SIZES, p);
     const template = p.template === undefined || p.template === DEFAULT_TEMPLATE ? undefined : validateTemplateName(p.template);
     if (template !== undefined) {
       if (!this.deps.backend.checkTemplate) throw new HutchError('unavailable', `the ${this.deps.backend.name} backend has no templates (the qemu backend boots them)`, { template });
       this.deps.backend.checkTemplate(template);
     }
-    const meta: SessionMeta = { id, cpus: p.cpus ?? DEFAULT_CPUS, memoryMiB: p.memoryMiB ?? DEFAULT_MEMORY_MIB, ...(template ? { template } : {}), createdAt: new Date().toISOString(), quota };
+    const meta: SessionMeta = { id, ...size, ...(template ? { template } : {}), createdAt: new Date().toISOString(), quota };
     const dir = join(this.root, id);
     privateDir(dir);
     mkdirSync(join(dir, 'workspace'), { recursive: true });
