@@ -1,6 +1,7 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createHash } from 'node:crypto';
-import { existsSync, lstatSync, readdirSync, readFileSync, truncateSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
+import { existsSync, lstatSync, readdirSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { Hutch } from '../../host-broker/src/sdk/index.ts';
 import { startBroker, type TestBroker } from '../helpers/broker.ts';
@@ -160,6 +161,36 @@ describe('the workspace quota in a real VM', { tags: ['vm'] }, () => {
     const fixed = await sb.run('rm l* sparse; sha256sum big', { route: 'vm' });
     expect(fixed.stdout.split(' ')[0]).toBe(createHash('sha256').update(readFileSync(join(ws, 'big'))).digest('hex'));
     expect(readdirSync(ws).sort()).toEqual(['a.txt', 'big']);
+    await sb.close();
+  }, 900_000);
+
+  it('a workspace within the quota but beyond what the VM holds in /work is refused before a wake, typed; /work is sized to the VM', async () => {
+    // /work is a tmpfs in guest RAM and swap. Before: 800 MB pushed into a 256 MiB guest with
+    // 512 MiB of swap thrashed for 208 s and ended connection_closed (the agent OOM-killed),
+    // and every later call did the same.
+    const sb = await hutch.create({ workspace: { files: { 'a.txt': 'x\n' } } }); // 512 MiB: 256 + 512 MiB swap
+    const vmBytes = (256 + 512) * MiB;
+    const ws = wsOf(b, sb.id);
+    // As if fast-path commands had written it (each file is capped at 64 MiB there): made
+    // here at once, then a fast-path edit has the broker measure the workspace again.
+    execFileSync('fallocate', ['-l', String(vmBytes + 16 * MiB), join(ws, 'big.bin')]);
+    expect((await sb.run("sed -i 's/x/y/' a.txt")).route).toBe('fastpath');
+    const err = await sb.run('true', { route: 'vm' }).catch((e: unknown) => e);
+    expect(err).toMatchObject({ code: 'too_large', context: { vmBytes, memoryMiB: 512 } });
+    expect(String((err as Error).message)).toMatch(/create the session with more memoryMiB/);
+    expect((await hutch.sessions()).find((x) => x.session === sb.id)?.live).toBe(false); // no VM was woken for it
+    // The fast path still works on it; so does a sparse file of that size, refused the same way.
+    const ls = await sb.run('ls -s --block-size=1M big.bin');
+    expect(ls.route).toBe('fastpath');
+    rmSync(join(ws, 'big.bin'));
+    writeFileSync(join(ws, 'sparse.bin'), '');
+    truncateSync(join(ws, 'sparse.bin'), vmBytes + MiB);
+    await sb.run("sed -i 's/y/x/' a.txt");
+    await expect(sb.run('true', { route: 'vm' })).rejects.toMatchObject({ code: 'too_large', context: { vmBytes, path: 'sparse.bin' } });
+    rmSync(join(ws, 'sparse.bin'));
+    await sb.run("sed -i 's/x/y/' a.txt");
+    const df = await sb.run('df -B1 --output=size /work | tail -1', { route: 'vm' });
+    expect(Number(df.stdout.trim())).toBe(vmBytes);
     await sb.close();
   }, 900_000);
 

@@ -166,6 +166,11 @@ export interface VmBackend {
   readonly writesHostWorkspace?: boolean;
   /** Can sandboxes be suspended into snapshot slots? */
   readonly canSuspend: boolean;
+  /**
+   * The most a VM of this size holds in /work, bytes (a tmpfs: it lives in guest RAM and
+   * swap). Absent: the quota alone bounds it.
+   */
+  workCapacityBytes?(size: { memoryMiB: number }): number;
   /** Throws not_found unless the template exists (backends without templates leave this out). */
   checkTemplate?(name: string): void;
   /** The current pristine snapshot's key (slots based on another one are stale). */

@@ -217,7 +217,8 @@ export class QemuBackend implements VmBackend {
       if (!standby) phase('channel');
       // Entropy and the clock go first; the push runs while the guest sets its clock.
       // ...and /work is sized from the session's quota before the push fills it.
-      const resumed = opts.coldBoot ? undefined : resumeGuest(agent, spec.quota).finally(() => phase('resume'));
+      const work = spec.quota ? { ...spec.quota, bytes: Math.min(spec.quota.bytes, this.workCapacityBytes(spec)) } : undefined;
+      const resumed = opts.coldBoot ? undefined : resumeGuest(agent, work).finally(() => phase('resume'));
       resumed?.catch(() => undefined);
       const hostWs = new Workspace(spec.workspaceDir);
       const mirror = new WorkspaceMirror(hostWs, new WorkspaceSync(hostWs), { stateDir: spec.stateDir });
@@ -387,6 +388,16 @@ export class QemuBackend implements VmBackend {
   /** Guest RPC deadlines: an emulated guest gets several times a KVM guest's. */
   get deadlines(): DeadlinePolicy {
     return this.accel === 'kvm' ? KVM_DEADLINES : TCG_DEADLINES;
+  }
+
+  /**
+   * /work is a tmpfs, so what it holds lives in the guest's RAM and swap. Filled past them
+   * (an 800 MB workspace pushed into a 256 MiB guest with 512 MiB of swap) the guest thrashed
+   * for minutes until the OOM killer took the agent. Half the RAM is left to the kernel, the
+   * agent and the tenant's processes; a workspace above the rest is refused before a wake.
+   */
+  workCapacityBytes(size: { memoryMiB: number }): number {
+    return (Math.floor(size.memoryMiB / 2) + this.swapMiB()) * 1024 * 1024;
   }
 
   private size(spec: SandboxSpec): { memoryMiB: number; cpus: number; swapMiB: number } {

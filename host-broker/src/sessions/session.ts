@@ -90,7 +90,8 @@ export class Session {
     private readonly deps: SessionDeps,
   ) {
     const broker = deps.quota ?? DEFAULT_QUOTA;
-    this.quota = new WorkspaceQuota(workspaceDir, { bytes: Math.min(broker.bytes, meta.quota?.bytes ?? Infinity), files: Math.min(broker.files, meta.quota?.files ?? Infinity) });
+    const vm = deps.backend.workCapacityBytes ? { bytes: deps.backend.workCapacityBytes(meta), memoryMiB: meta.memoryMiB } : undefined;
+    this.quota = new WorkspaceQuota(workspaceDir, { bytes: Math.min(broker.bytes, meta.quota?.bytes ?? Infinity), files: Math.min(broker.files, meta.quota?.files ?? Infinity) }, vm);
     this.files = new FileTools(new Workspace(workspaceDir), { ...(deps.maxFileBytes ? { maxFileBytes: deps.maxFileBytes } : {}), beforeGrow: (g) => this.quota.plan(g) });
     this.log = deps.log.child({ session: meta.id });
     // A pull the broker was killed in the middle of is finished (committed) or dropped (not) before anything reads the workspace.

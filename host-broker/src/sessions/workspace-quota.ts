@@ -63,6 +63,8 @@ export class WorkspaceQuota {
   constructor(
     readonly dir: string,
     readonly limits: QuotaLimits,
+    /** What the session's VM holds in /work (VmBackend.workCapacityBytes), when less than the quota may be. */
+    readonly vm?: { bytes: number; memoryMiB: number },
   ) {}
 
   /** The usage, measured now if nothing current is known. */
@@ -147,6 +149,19 @@ export class WorkspaceQuota {
         path,
         size,
       });
+    }
+    // Within the quota but not within the VM: its /work (in guest RAM and swap) cannot take it.
+    const vm = this.vm;
+    if (vm && vm.bytes < this.limits.bytes) {
+      const big = u.bytes > vm.bytes ? { what: `the workspace takes ${u.bytes} bytes`, size: u.bytes } : u.largest && u.largest.size > vm.bytes ? { what: `${u.largest.path} has an apparent size of ${u.largest.size} bytes (sparse on the host)`, size: u.largest.size, path: u.largest.path } : undefined;
+      if (big) {
+        return new HutchError('too_large', `${big.what}, more than this session's ${vm.memoryMiB} MiB VM holds in /work (${vm.bytes} bytes: half its memory plus its swap); create the session with more memoryMiB, or remove files (the fast path and file tools still work on it)`, {
+          vmBytes: vm.bytes,
+          memoryMiB: vm.memoryMiB,
+          size: big.size,
+          ...(big.path ? { path: big.path } : {}),
+        });
+      }
     }
     return undefined;
   }
