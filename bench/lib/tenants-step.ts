@@ -121,6 +121,8 @@ async function startBroker(plan: StepPlan, dataDir: string, token: string): Prom
     workspaceRoots: [...new Set([...plan.templates.values()].map((t) => dirname(t)))],
     log: createLogger({ name: 'hutch-broker', level: 'error' }),
     policy: plan.policy,
+    // Every tenant is the one principal here (plus the warm-up session).
+    maxSessionsPerPrincipal: plan.tenants + 8,
   };
   try {
     return await serve(opts);

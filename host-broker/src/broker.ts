@@ -34,6 +34,8 @@ export interface BrokerOptions {
   workspaceRoots?: readonly string[];
   /** The VM sizes sessions may ask for (default DEFAULT_SESSION_SIZES: 256-2048 MiB, 1-2 vCPUs). */
   sessionSizes?: SessionSizes;
+  /** Sessions plus kept workspaces one principal may hold (default 128). */
+  maxSessionsPerPrincipal?: number;
   /** Connection limits (frame size, handshake timeout, connection caps, back-pressure). */
   limits?: Partial<WsLimits>;
   /** Also serve /metrics without a token on this separate address (e.g. a scrape-only interface). */
@@ -163,7 +165,7 @@ export class Broker {
         ...(opts.quota ? { quota: opts.quota } : {}),
       },
       opts.log,
-      { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}), ...(opts.sessionSizes ? { sizes: validateSessionSizes(opts.sessionSizes) } : {}) },
+      { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}), ...(opts.sessionSizes ? { sizes: validateSessionSizes(opts.sessionSizes) } : {}), ...(opts.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: opts.maxSessionsPerPrincipal } : {}) },
     );
     this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log });
     this.cluster = opts.cluster ? new ClusterMember(opts.cluster, this, this.principals, opts.log) : undefined;

@@ -22,6 +22,7 @@ import { CLUSTER_SERVE_FLAGS, clusterFromFlags, drainMsFromFlags, gatewayMain, G
 import type { ClusterOptions } from './catalog/member.ts';
 import { templateMain } from './templates/cli.ts';
 import { defaultDataDir } from './templates/store.ts';
+import { DEFAULT_MAX_SESSIONS_PER_PRINCIPAL } from './sessions/session-manager.ts';
 import { DEFAULT_SESSION_SIZES, parseSizeList, validateSessionSizes, type SessionSizes } from './sessions/session-sizes.ts';
 
 /** One VM restored and warmed ahead of the next wake: about a restored idle VM's memory, for wakes at a fraction of their cold cost. */
@@ -72,6 +73,8 @@ serve options:
   --no-build        use the cached guest image only: fail clearly instead of building it
   --standby N       VMs kept restored and warmed for the next wake (default ${DEFAULT_STANDBY}; 0 = none;
                     each costs about one idle VM's memory)
+  --max-sessions N  sessions one principal may hold, workspaces kept at close included (default
+                    ${DEFAULT_MAX_SESSIONS_PER_PRINCIPAL}; each may fill its quota of the data dir's disk)
   --session-memory-mib LIST
                     guest memory sizes a session may ask for, MiB, comma-separated (default
                     ${DEFAULT_SESSION_SIZES.memoryMiB.join(',')}; 512 when a create names none and it is listed, else the
@@ -117,6 +120,8 @@ export interface ServeOptions {
   memoryBudgetMiB?: number;
   /** The VM sizes sessions may ask for (default DEFAULT_SESSION_SIZES). */
   sessionSizes?: SessionSizes;
+  /** Sessions plus kept workspaces per principal (default DEFAULT_MAX_SESSIONS_PER_PRINCIPAL). */
+  maxSessionsPerPrincipal?: number;
 }
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
@@ -141,6 +146,7 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     ...(o.tokens ? { tokens: o.tokens } : {}),
     ...(o.workspaceRoots ? { workspaceRoots: o.workspaceRoots } : {}),
     ...(o.sessionSizes ? { sessionSizes: o.sessionSizes } : {}),
+    ...(o.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: o.maxSessionsPerPrincipal } : {}),
     ...(o.limits ? { limits: o.limits } : {}),
     ...(o.metricsListen ? { metricsListen: o.metricsListen } : {}),
     ...(o.policyLevel ? { policyLevel: o.policyLevel } : {}),
@@ -239,6 +245,7 @@ async function main(): Promise<void> {
       'memory-budget-mib': { type: 'string' },
       'session-memory-mib': { type: 'string' },
       'session-cpus': { type: 'string' },
+      'max-sessions': { type: 'string' },
       'ready-fd': { type: 'string' },
       'ready-json': { type: 'boolean', default: false },
       help: { type: 'boolean', short: 'h' },
@@ -275,6 +282,7 @@ async function main(): Promise<void> {
     ...(values['i-know-unsafe-local'] ? { acknowledgeUnsafeLocal: true } : {}),
     ...(values['workspace-root'] ? { workspaceRoots: values['workspace-root'] } : {}),
     sessionSizes,
+    ...(values['max-sessions'] !== undefined ? { maxSessionsPerPrincipal: positiveInt('--max-sessions', values['max-sessions']) } : {}),
     limits,
     ...(values['metrics-port'] !== undefined ? { metricsListen: { host: values['metrics-host'], port: Number(values['metrics-port']) } } : {}),
     policyLevel: values.level ?? '4',

@@ -47,6 +47,8 @@ export async function startBroker(
     admission?: Partial<AdmissionOptions>;
     /** The VM sizes sessions may ask for. */
     sessionSizes?: SessionSizes;
+    /** Sessions plus kept workspaces per principal. */
+    maxSessionsPerPrincipal?: number;
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
@@ -71,6 +73,7 @@ export async function startBroker(
     ...(o.quota ? { quota: o.quota } : {}),
     ...(o.admission ? { admission: o.admission } : {}),
     ...(o.sessionSizes ? { sessionSizes: o.sessionSizes } : {}),
+    ...(o.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: o.maxSessionsPerPrincipal } : {}),
   });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;

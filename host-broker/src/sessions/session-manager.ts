@@ -13,6 +13,17 @@ import { populateWorkspace } from './workspace-source.ts';
 import { DEFAULT_QUOTA } from './workspace-quota.ts';
 import { DEFAULT_SESSION_SIZES, sessionSize, type SessionSizes } from './session-sizes.ts';
 
+/**
+ * Sessions one principal may hold, kept workspaces included. Each holds up to its quota of
+ * the data dir's disk (2 GiB by default), and kept workspaces stay until the operator
+ * removes them, so without a count a token holder filled the host's disk by creating (or
+ * creating and closing with keepWorkspace) sessions in a loop.
+ */
+export const DEFAULT_MAX_SESSIONS_PER_PRINCIPAL = 128;
+
+/** In a kept workspace's session dir: whose it was (it counts against that principal). */
+const KEPT_FILE = 'kept.json';
+
 /** session.json: the session's metadata plus the principal that owns it. */
 type StoredMeta = SessionMeta & { owner?: string };
 
@@ -31,6 +42,8 @@ const REMOVING_PREFIX = '.removing-';
 export interface SessionManagerOptions {
   /** Host directories `create({ workspace: { dir } })` may copy from; none = dir sources refused. */
   workspaceRoots?: readonly string[];
+  /** Sessions plus kept workspaces per principal (default DEFAULT_MAX_SESSIONS_PER_PRINCIPAL). */
+  maxSessionsPerPrincipal?: number;
   /** The VM sizes a create may ask for (default DEFAULT_SESSION_SIZES; see session-sizes.ts). */
   sizes?: SessionSizes;
 }
@@ -49,6 +62,10 @@ export class SessionManager {
   private readonly sessions = new Map<string, Session>();
   /** Session id -> owning principal. */
   private readonly owners = new Map<string, string>();
+  /** Principal -> workspaces its closed sessions kept (they hold disk until the operator removes them). */
+  private readonly kept = new Map<string, number>();
+  /** Principal -> creates not finished yet. */
+  private readonly creating = new Map<string, number>();
   private readonly root: string;
 
   constructor(
@@ -71,7 +88,10 @@ export class SessionManager {
         continue;
       }
       const metaPath = join(this.root, id, 'session.json');
-      if (!existsSync(metaPath)) continue;
+      if (!existsSync(metaPath)) {
+        this.countKept(id);
+        continue;
+      }
       try {
         const { owner, ...meta } = JSON.parse(readFileSync(metaPath, 'utf8')) as StoredMeta;
         chmodSync(join(this.root, id), 0o700); // made by an older broker, maybe with a looser mode
@@ -85,8 +105,30 @@ export class SessionManager {
     return this.sessions.size;
   }
 
+  /** A session dir without session.json: a kept workspace, counted against whoever kept it. */
+  private countKept(id: string): void {
+    try {
+      const { owner } = JSON.parse(readFileSync(join(this.root, id, KEPT_FILE), 'utf8')) as { owner?: unknown };
+      if (typeof owner === 'string') this.kept.set(owner, (this.kept.get(owner) ?? 0) + 1);
+    } catch {
+      // Kept before owners were recorded, or not a session dir: nobody's to count.
+    }
+  }
+
   async create(p: z.infer<typeof CreateParams>, owner: string = DEFAULT_PRINCIPAL): Promise<Session> {
     const id = p.id ?? `s-${randomBytes(6).toString('hex')}`;
+    const max = this.opts.maxSessionsPerPrincipal ?? DEFAULT_MAX_SESSIONS_PER_PRINCIPAL;
+    // Creates in flight count too: each awaits its workspace source before it is listed.
+    const open = [...this.owners.values()].filter((o) => o === owner).length + (this.creating.get(owner) ?? 0);
+    const kept = this.kept.get(owner) ?? 0;
+    if (open + kept >= max) {
+      throw new HutchError('quota_exceeded', `principal ${owner} holds ${open} sessions and ${kept} kept workspaces, its limit of ${max}: close a session${kept ? ' (kept workspaces count until the operator removes them from the data dir)' : ''}`, {
+        limit: 'sessions',
+        quota: max,
+        sessions: open,
+        kept,
+      });
+    }
     // The same answer whoever owns an existing id: which ids others use is not told.
     if (this.sessions.has(id) || existsSync(join(this.root, id))) throw new HutchError('already_exists', `session ${id} already exists`, { session: id });
     const broker = this.deps.quota ?? DEFAULT_QUOTA;
@@ -107,6 +149,7 @@ export class SessionManager {
     mkdirSync(join(dir, 'workspace'), { recursive: true });
     mkdirSync(join(dir, 'state'), { recursive: true });
     const session = this.make(meta);
+    this.creating.set(owner, (this.creating.get(owner) ?? 0) + 1);
     try {
       await session.quota.measure(); // empty: inline files are planned against it as they are written
       if (p.workspace) await populateWorkspace(session.workspaceDir, p.workspace, { files: session.files, fastPath: this.deps.fastPath, roots: this.opts.workspaceRoots ?? [] });
@@ -117,6 +160,8 @@ export class SessionManager {
     } catch (err) {
       await this.removeSessionDir(id).catch(() => undefined);
       throw err;
+    } finally {
+      this.creating.set(owner, (this.creating.get(owner) ?? 1) - 1);
     }
     this.owners.set(id, owner);
     this.sessions.set(id, session);
@@ -149,6 +194,7 @@ export class SessionManager {
 
   async close(id: string, keepWorkspace = false, principal?: string): Promise<CloseResult> {
     const s = this.get(id, principal);
+    const owner = this.owners.get(id) ?? DEFAULT_PRINCIPAL;
     this.sessions.delete(id);
     this.owners.delete(id);
     await s.close();
@@ -156,8 +202,10 @@ export class SessionManager {
     if (keepWorkspace) {
       // The workspace stays under the data dir (sessions/<id>/workspace) for the operator; the
       // answer names the session only, since the caller has no business with host paths.
+      writeFileSync(join(dir, KEPT_FILE), JSON.stringify({ owner, keptAt: new Date().toISOString() }), { mode: 0o600 });
       rmSync(join(dir, 'session.json'), { force: true });
       rmSync(join(dir, 'state'), { recursive: true, force: true });
+      this.kept.set(owner, (this.kept.get(owner) ?? 0) + 1);
       this.log.info('session.closed', { session: id, kept: s.workspaceDir });
       return { session: id, kept: true };
     }
