@@ -90,3 +90,37 @@ describe('memory budget with standby VMs', () => {
     give?.();
   });
 });
+
+/**
+ * A VM call holds its admission slot for the push and the start of its run, not for as long
+ * as the command runs: four slots taken by one tenant's `sleep 600` held every other
+ * tenant's VM calls until they failed busy.
+ */
+describe('VM call slots', () => {
+  it('a call still running past vmCallSlotMs gives its slot to the next waiter; its own release later is a no-op', async () => {
+    const a = new Admission({ maxConcurrentWakes: 1, maxConcurrentVmCalls: 1, memoryBudgetMiB: 1000, queueTimeoutMs: 5000, vmCallSlotMs: 100 });
+    const long = await a.admitVmCall();
+    let second: (() => void) | undefined;
+    const waiting = a.admitVmCall().then((d) => (second = d));
+    await new Promise((r) => setTimeout(r, 20));
+    expect(second).toBeUndefined(); // within the slot time the long call holds it
+    expect(a.vmCalls.waiting).toBe(1);
+    await waiting; // then it passes on, the long call still running
+    expect(a.vmCalls.inUse).toBe(1);
+    long(); // the long call ends: nothing to give back twice
+    expect(a.vmCalls.inUse).toBe(1);
+    second?.();
+    expect(a.vmCalls.inUse).toBe(0);
+  });
+
+  it('a call that ends within the slot time passes its slot on at once', async () => {
+    const a = new Admission({ maxConcurrentWakes: 1, maxConcurrentVmCalls: 1, memoryBudgetMiB: 1000, queueTimeoutMs: 5000, vmCallSlotMs: 60_000 });
+    const first = await a.admitVmCall();
+    const next = a.admitVmCall();
+    first();
+    const done = await next;
+    expect(a.vmCalls.inUse).toBe(1);
+    done();
+    expect(a.vmCalls.inUse).toBe(0);
+  });
+});

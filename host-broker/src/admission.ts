@@ -67,7 +67,15 @@ export interface AdmissionOptions {
   memoryBudgetMiB: number;
   /** How long a wake or call may wait before `busy`. */
   queueTimeoutMs: number;
+  /**
+   * How long a VM call holds its slot (default DEFAULT_VM_CALL_SLOT_MS); past it the call runs
+   * on without one. See admitVmCall.
+   */
+  vmCallSlotMs?: number;
 }
+
+/** A VM call's hold on its admission slot: the push, the start of its run, a short call whole. */
+export const DEFAULT_VM_CALL_SLOT_MS = 10_000;
 
 /**
  * Admission for the expensive route: wakes and VM calls queue fairly up to what the
@@ -87,6 +95,24 @@ export class Admission {
   constructor(readonly opts: AdmissionOptions) {
     this.wakes = new FifoSemaphore(opts.maxConcurrentWakes, 'wake');
     this.vmCalls = new FifoSemaphore(opts.maxConcurrentVmCalls, 'VM call');
+  }
+
+  /**
+   * Admits a VM call: waits (FIFO, up to queueTimeoutMs) for a slot and holds it for at most
+   * vmCallSlotMs. The slots bound how many calls push and start at once, which is where a
+   * burst of calls costs the host; a call still running after that (a `sleep 600`, a long
+   * build: its VM's vCPUs are the kernel scheduler's to share) gives its slot to the next
+   * waiter. Held for the whole call, four slots taken by one tenant's long commands held
+   * every other tenant's VM calls until they failed `busy` two minutes later.
+   */
+  async admitVmCall(): Promise<() => void> {
+    const done = await this.vmCalls.acquire(this.opts.queueTimeoutMs);
+    const t = setTimeout(done, this.opts.vmCallSlotMs ?? DEFAULT_VM_CALL_SLOT_MS);
+    t.unref();
+    return () => {
+      clearTimeout(t);
+      done();
+    };
   }
 
   get memoryReservedMiB(): number {

@@ -104,7 +104,7 @@ export class SandboxLifecycle {
       const wake = this.sandbox ? await this.resumeLive() : await this.wake();
       const sb = this.sandbox as Sandbox;
       const t0 = performance.now();
-      const done = await this.admission.vmCalls.acquire(this.admission.opts.queueTimeoutMs);
+      const done = await this.admission.admitVmCall();
       const queuedMs = performance.now() - t0;
       try {
         const value = await fn(sb, this.hostChanges.take());
