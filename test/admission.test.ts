@@ -124,3 +124,34 @@ describe('VM call slots', () => {
     expect(a.vmCalls.inUse).toBe(0);
   });
 });
+
+describe('fair admission between principals', () => {
+  it('a free slot goes to the principals in turn, each one\'s waiters in arrival order', async () => {
+    const a = new Admission({ maxConcurrentWakes: 1, maxConcurrentVmCalls: 1, memoryBudgetMiB: 1000, queueTimeoutMs: 5000 });
+    const held = await a.wakes.acquire(5000, 'alice');
+    const order: string[] = [];
+    const queued: Array<Promise<void>> = [];
+    // Alice queues five wakes before Bob and Carol queue one each.
+    for (let i = 1; i <= 5; i++) queued.push(a.wakes.acquire(5000, 'alice').then((done) => (order.push(`alice${i}`), done())));
+    queued.push(a.wakes.acquire(5000, 'bob').then((done) => (order.push('bob'), done())));
+    queued.push(a.wakes.acquire(5000, 'carol').then((done) => (order.push('carol'), done())));
+    expect(a.wakes.waiting).toBe(7);
+    held();
+    await Promise.all(queued);
+    // FIFO would have served alice1..alice5 first.
+    expect(order).toEqual(['alice1', 'bob', 'carol', 'alice2', 'alice3', 'alice4', 'alice5']);
+    expect([a.wakes.inUse, a.wakes.waiting]).toEqual([0, 0]);
+  });
+
+  it('a waiter that times out leaves its principal\'s queue; the others are still served', async () => {
+    const a = new Admission({ maxConcurrentWakes: 1, maxConcurrentVmCalls: 1, memoryBudgetMiB: 1000, queueTimeoutMs: 5000 });
+    const held = await a.wakes.acquire(5000, 'alice');
+    const late = a.wakes.acquire(30, 'bob');
+    const next = a.wakes.acquire(5000, 'carol');
+    await expect(late).rejects.toMatchObject({ code: 'busy' });
+    expect(a.wakes.waiting).toBe(1);
+    held();
+    (await next)();
+    expect([a.wakes.inUse, a.wakes.waiting]).toEqual([0, 0]);
+  });
+});

@@ -1,12 +1,18 @@
 import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 
+type Waiter = { resolve: () => void; reject: (e: Error) => void; timer: NodeJS.Timeout | undefined };
+
 /**
- * A FIFO counting semaphore: tasks run in arrival order once a slot is free. Each session
- * has at most one call in flight, so FIFO is also fair between sessions.
+ * A counting semaphore, fair between principals: waiters queue per principal, a free slot
+ * goes to the principals in turn (round robin), and each principal's own waiters in arrival
+ * order. Plain FIFO let one tenant with a hundred sessions put a hundred wakes ahead of
+ * everyone else's next one. Each session has at most one call in flight, so within a
+ * principal this is also fair between its sessions.
  */
-export class FifoSemaphore {
+export class FairSemaphore {
   private active = 0;
-  private readonly waiters: Array<{ resolve: () => void; reject: (e: Error) => void; timer: NodeJS.Timeout | undefined }> = [];
+  /** Principal -> its waiters; the map's order is the rotation (a served principal goes last). */
+  private readonly queues = new Map<string, Waiter[]>();
 
   constructor(
     private readonly limit: number,
@@ -14,34 +20,53 @@ export class FifoSemaphore {
   ) {}
 
   get waiting(): number {
-    return this.waiters.length;
+    let n = 0;
+    for (const q of this.queues.values()) n += q.length;
+    return n;
   }
 
   get inUse(): number {
     return this.active;
   }
 
-  async acquire(timeoutMs?: number): Promise<() => void> {
-    if (this.active < this.limit && this.waiters.length === 0) {
+  async acquire(timeoutMs?: number, principal = ''): Promise<() => void> {
+    if (this.active < this.limit && this.queues.size === 0) {
       this.active++;
       return this.releaser();
     }
     await new Promise<void>((resolve, reject) => {
-      const w = {
+      const w: Waiter = {
         resolve,
         reject,
         timer:
           timeoutMs === undefined
             ? undefined
             : setTimeout(() => {
-                const i = this.waiters.indexOf(w);
-                if (i >= 0) this.waiters.splice(i, 1);
+                const q = this.queues.get(principal);
+                const i = q ? q.indexOf(w) : -1;
+                if (q && i >= 0) {
+                  q.splice(i, 1);
+                  if (q.length === 0) this.queues.delete(principal);
+                }
                 reject(new HutchError('busy', `waited ${timeoutMs} ms for a free ${this.what} slot (${this.limit} in use); retry later`, { what: this.what, limit: this.limit }));
               }, timeoutMs),
       };
-      this.waiters.push(w);
+      const q = this.queues.get(principal);
+      if (q) q.push(w);
+      else this.queues.set(principal, [w]);
     });
     return this.releaser();
+  }
+
+  /** The next waiter: the first principal in the rotation, which then goes to the back. */
+  private next(): Waiter | undefined {
+    for (const [principal, q] of this.queues) {
+      const w = q.shift();
+      this.queues.delete(principal);
+      if (q.length > 0) this.queues.set(principal, q);
+      if (w) return w;
+    }
+    return undefined;
   }
 
   private releaser(): () => void {
@@ -49,7 +74,7 @@ export class FifoSemaphore {
     return () => {
       if (done) return;
       done = true;
-      const next = this.waiters.shift();
+      const next = this.next();
       if (next) {
         if (next.timer) clearTimeout(next.timer);
         next.resolve(); // the slot passes straight to the next waiter
@@ -83,8 +108,8 @@ export const DEFAULT_VM_CALL_SLOT_MS = 10_000;
  * pass through here, so they never wait behind a wake.
  */
 export class Admission {
-  readonly wakes: FifoSemaphore;
-  readonly vmCalls: FifoSemaphore;
+  readonly wakes: FairSemaphore;
+  readonly vmCalls: FairSemaphore;
   private reservedMiB = 0;
   private readonly memWaiters: Array<() => void> = [];
   /** Wakes inside reserveMemory: while any waits, no standby takes room (it would only be given up again). */
@@ -93,20 +118,20 @@ export class Admission {
   private readonly yielding: Array<{ mib: number; release: () => void; yieldRoom: () => void }> = [];
 
   constructor(readonly opts: AdmissionOptions) {
-    this.wakes = new FifoSemaphore(opts.maxConcurrentWakes, 'wake');
-    this.vmCalls = new FifoSemaphore(opts.maxConcurrentVmCalls, 'VM call');
+    this.wakes = new FairSemaphore(opts.maxConcurrentWakes, 'wake');
+    this.vmCalls = new FairSemaphore(opts.maxConcurrentVmCalls, 'VM call');
   }
 
   /**
-   * Admits a VM call: waits (FIFO, up to queueTimeoutMs) for a slot and holds it for at most
+   * Admits a VM call: waits (in turn between principals, up to queueTimeoutMs) for a slot and holds it for at most
    * vmCallSlotMs. The slots bound how many calls push and start at once, which is where a
    * burst of calls costs the host; a call still running after that (a `sleep 600`, a long
    * build: its VM's vCPUs are the kernel scheduler's to share) gives its slot to the next
    * waiter. Held for the whole call, four slots taken by one tenant's long commands held
    * every other tenant's VM calls until they failed `busy` two minutes later.
    */
-  async admitVmCall(): Promise<() => void> {
-    const done = await this.vmCalls.acquire(this.opts.queueTimeoutMs);
+  async admitVmCall(principal?: string): Promise<() => void> {
+    const done = await this.vmCalls.acquire(this.opts.queueTimeoutMs, principal);
     const t = setTimeout(done, this.opts.vmCallSlotMs ?? DEFAULT_VM_CALL_SLOT_MS);
     t.unref();
     return () => {

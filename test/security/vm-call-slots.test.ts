@@ -25,6 +25,8 @@ describe('VM call admission between tenants', () => {
     const bob = await Hutch.connect(b.url, { token: BOB });
     const sa = await alice.create({});
     const sb = await bob.create({});
+    // Admission takes principals in turn: each session's VM work is queued as its owner's.
+    expect([b.broker.sessions.get(sa.id).vm['spec'].principal, b.broker.sessions.get(sb.id).vm['spec'].principal]).toEqual(['alice', 'bob']);
     const order: string[] = [];
     const long = sa.run('sleep 15; echo slept', { route: 'vm' }).then((r) => {
       order.push('alice');

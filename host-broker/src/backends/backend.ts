@@ -12,6 +12,8 @@ import type { PullError } from '../sync/pull-journal.ts';
  */
 export interface SandboxSpec {
   session: string;
+  /** The principal that owns the session (admission takes principals in turn). */
+  principal?: string;
   /** The host-owned workspace (source of truth). */
   workspaceDir: string;
   /** Per-session private state on the host (home directory, sockets, disks). */

@@ -104,7 +104,7 @@ export class SandboxLifecycle {
       const wake = this.sandbox ? await this.resumeLive() : await this.wake();
       const sb = this.sandbox as Sandbox;
       const t0 = performance.now();
-      const done = await this.admission.admitVmCall();
+      const done = await this.admission.admitVmCall(this.spec.principal);
       const queuedMs = performance.now() - t0;
       try {
         const value = await fn(sb, this.hostChanges.take());
@@ -207,7 +207,7 @@ export class SandboxLifecycle {
 
   private async wake(): Promise<WakeInfo> {
     const t0 = performance.now();
-    const doneWake = await this.admission.wakes.acquire(this.admission.opts.queueTimeoutMs);
+    const doneWake = await this.admission.wakes.acquire(this.admission.opts.queueTimeoutMs, this.spec.principal);
     let releaseMem: (() => void) | undefined;
     try {
       releaseMem = await this.admission.reserveMemory(this.spec.memoryMiB, this.spec.session);

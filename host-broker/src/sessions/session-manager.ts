@@ -97,7 +97,7 @@ export class SessionManager {
         chmodSync(join(this.root, id), 0o700); // made by an older broker, maybe with a looser mode
         // Sessions from before principals existed belong to the single-token principal.
         this.owners.set(id, owner ?? DEFAULT_PRINCIPAL);
-        this.sessions.set(id, this.make(meta));
+        this.sessions.set(id, this.make(meta, owner ?? DEFAULT_PRINCIPAL));
       } catch (err) {
         this.log.warn('session.load_failed', { session: id, error: (err as Error).message });
       }
@@ -148,7 +148,7 @@ export class SessionManager {
     privateDir(dir);
     mkdirSync(join(dir, 'workspace'), { recursive: true });
     mkdirSync(join(dir, 'state'), { recursive: true });
-    const session = this.make(meta);
+    const session = this.make(meta, owner);
     this.creating.set(owner, (this.creating.get(owner) ?? 0) + 1);
     try {
       await session.quota.measure(); // empty: inline files are planned against it as they are written
@@ -250,8 +250,8 @@ export class SessionManager {
     this.owners.clear();
   }
 
-  private make(meta: SessionMeta): Session {
+  private make(meta: SessionMeta, owner: string): Session {
     const dir = join(this.root, meta.id);
-    return new Session(meta, join(dir, 'workspace'), join(dir, 'state'), this.deps);
+    return new Session(meta, join(dir, 'workspace'), join(dir, 'state'), this.deps, owner);
   }
 }

@@ -88,6 +88,8 @@ export class Session {
     readonly workspaceDir: string,
     readonly stateDir: string,
     private readonly deps: SessionDeps,
+    /** The principal that owns it: the broker's queues take principals in turn. */
+    private readonly owner?: string,
   ) {
     const broker = deps.quota ?? DEFAULT_QUOTA;
     const vm = deps.backend.workCapacityBytes ? { bytes: deps.backend.workCapacityBytes(meta), memoryMiB: meta.memoryMiB } : undefined;
@@ -337,7 +339,7 @@ export class Session {
   }
 
   private spec(): SandboxSpec {
-    return { session: this.id, workspaceDir: this.workspaceDir, stateDir: this.stateDir, cpus: this.meta.cpus, memoryMiB: this.meta.memoryMiB, ...(this.meta.template ? { template: this.meta.template } : {}), quota: this.quota.limits, memoryPolicy: memoryStepsFor(this.deps.policy) };
+    return { session: this.id, ...(this.owner !== undefined ? { principal: this.owner } : {}), workspaceDir: this.workspaceDir, stateDir: this.stateDir, cpus: this.meta.cpus, memoryMiB: this.meta.memoryMiB, ...(this.meta.template ? { template: this.meta.template } : {}), quota: this.quota.limits, memoryPolicy: memoryStepsFor(this.deps.policy) };
   }
 }
 
