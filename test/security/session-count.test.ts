@@ -52,6 +52,19 @@ describe('sessions per principal', () => {
     alice.close();
   }, 120_000);
 
+  it('over the E2B API the limit is a 429, as E2B answers its concurrent-sandbox limit', async () => {
+    const c = await startBroker({ maxSessionsPerPrincipal: 1 });
+    try {
+      const create = () => fetch(`${c.url.replace('ws:', 'http:')}/e2b/api/v2/sandboxes`, { method: 'POST', headers: { 'X-API-KEY': c.token, 'content-type': 'application/json' }, body: '{}' });
+      expect((await create()).status).toBe(201);
+      const second = await create();
+      expect(second.status).toBe(429);
+      expect(await second.text()).toMatch(/quota_exceeded: principal default holds 1 sessions and 0 kept workspaces, its limit of 1/);
+    } finally {
+      await c.stop();
+    }
+  }, 120_000);
+
   it('creates racing each other cannot pass the limit together', async () => {
     const c = await startBroker({ maxSessionsPerPrincipal: 3 });
     try {

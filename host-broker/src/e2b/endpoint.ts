@@ -198,7 +198,8 @@ export class E2bEndpoint {
         return;
       }
       if (err instanceof ApiError) apiError(res, err.status, err.message);
-      else if (err instanceof HutchError) apiError(res, err.code === 'not_found' ? 404 : err.code === 'bad_request' ? 400 : 500, `${err.code}: ${err.message}`);
+      // A principal at its session limit is E2B's concurrent-sandbox limit: 429, as E2B answers it.
+      else if (err instanceof HutchError) apiError(res, err.code === 'not_found' ? 404 : err.code === 'bad_request' ? 400 : err.code === 'quota_exceeded' ? 429 : 500, `${err.code}: ${err.message}`);
       else {
         this.o.log.warn('e2b.error', { error: (err as Error).message });
         apiError(res, 500, 'internal error');
