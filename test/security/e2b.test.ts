@@ -6,6 +6,9 @@
  * paths stay inside the workspace.
  */
 import { randomBytes } from 'node:crypto';
+import { execFileSync } from 'node:child_process';
+import { statSync, truncateSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { Sandbox } from 'e2b';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { startBroker, type TestBroker } from '../helpers/broker.ts';
@@ -73,3 +76,58 @@ describe('E2B surface: keys, principals, access tokens, paths', () => {
     await sbx.kill();
   });
 });
+
+/**
+ * What an E2B client moves through /files is not held whole by the broker: downloads stream
+ * from the file (they read it into memory: ten concurrent downloads of a 1.9 GB file would
+ * have held 19 GB, and a file above 2 GiB could not be read at all), and upload
+ * bodies, which multipart makes the broker hold, take room in a bounded budget first (thirty
+ * concurrent 60 MB uploads took the broker to 2.9 GB).
+ */
+describe('E2B /files holds a bounded amount in the broker', () => {
+  it('a 3 GiB file downloads in full through a stream', async () => {
+    const sbx = await Sandbox.create(opts(b.token));
+    const ws = join(b.dataDir, 'sessions', sbx.sandboxId, 'workspace');
+    writeFileSync(join(ws, 'big.img'), 'head');
+    truncateSync(join(ws, 'big.img'), 3 * 1024 ** 3); // sparse: the quota counts its blocks
+    const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
+    const res = await fetch(`${base}/e2b/envd/files?path=${encodeURIComponent('/work/big.img')}`, { headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'X-Access-Token': token } });
+    expect(res.status).toBe(200);
+    expect(res.headers.get('content-length')).toBe(String(3 * 1024 ** 3));
+    let n = 0;
+    let first = '';
+    for await (const c of res.body as unknown as AsyncIterable<Uint8Array>) {
+      if (n === 0) first = Buffer.from(c.subarray(0, 4)).toString();
+      n += c.length;
+    }
+    expect([n, first]).toEqual([3 * 1024 ** 3, 'head']);
+    // A FIFO is refused, not read (and nothing blocks).
+    execFileSync('mkfifo', [join(ws, 'pipe')]);
+    const fifo = await fetch(`${base}/e2b/envd/files?path=/work/pipe`, { headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'X-Access-Token': token } });
+    expect(fifo.status).toBe(400);
+    await sbx.kill();
+  }, 180_000);
+
+  it('concurrent large uploads of one principal hold at most its share of the body budget, and all land', async () => {
+    const sbx = await Sandbox.create(opts(b.token));
+    const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
+    const size = 60 * 1024 * 1024;
+    const body = Buffer.alloc(size, 7);
+    let peak = 0;
+    const sample = setInterval(() => (peak = Math.max(peak, b.broker['e2b'].bodies.inUse)), 2);
+    const codes = await Promise.all(
+      Array.from({ length: 5 }, (_, i) =>
+        fetch(`${base}/e2b/envd/files?path=/work/up${i}.bin`, { method: 'POST', headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'X-Access-Token': token, 'content-type': 'application/octet-stream' }, body }).then((r) => r.status),
+      ),
+    );
+    clearInterval(sample);
+    expect(codes).toEqual([200, 200, 200, 200, 200]);
+    expect(peak).toBeGreaterThan(0);
+    expect(peak).toBeLessThanOrEqual(b.broker['e2b'].bodies.perKeyBytes);
+    expect(b.broker['e2b'].bodies.inUse).toBe(0);
+    const ws = join(b.dataDir, 'sessions', sbx.sandboxId, 'workspace');
+    for (let i = 0; i < 5; i++) expect(statSync(join(ws, `up${i}.bin`)).size).toBe(size);
+    await sbx.kill();
+  }, 180_000);
+});
+

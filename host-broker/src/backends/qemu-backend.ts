@@ -336,6 +336,10 @@ export class QemuBackend implements VmBackend {
         // gone
       }
     }
+    // A killed QEMU takes a moment to let go of its guest's memory (longer on a loaded
+    // host): the close that abandoned it returns once it is gone, not while it is still
+    // exiting (a test saw it there right after close, once, under CI load).
+    for (let i = 0; i < ABANDON_WAIT_STEPS && qemuPids(dir).length > 0; i++) await new Promise((r) => setTimeout(r, 20));
     rmSync(dir, { recursive: true, force: true });
   }
 
@@ -408,6 +412,9 @@ export class QemuBackend implements VmBackend {
     return this.opts.swapMiB ?? 512;
   }
 }
+
+/** 20 ms steps an abandon waits for a SIGKILLed QEMU to exit (5 s in all). */
+const ABANDON_WAIT_STEPS = 250;
 
 class QemuSandbox implements Sandbox {
   readonly exited: Promise<Error | undefined>;

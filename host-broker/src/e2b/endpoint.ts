@@ -16,16 +16,19 @@
  */
 import { randomBytes, timingSafeEqual } from 'node:crypto';
 import type { IncomingMessage, ServerResponse } from 'node:http';
-import type { Stats } from 'node:fs';
+import { constants, type Stats } from 'node:fs';
+import type { FileHandle } from 'node:fs/promises';
+import { pipeline } from 'node:stream/promises';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
-import { readDirAt, readFileAt } from '../../../guest-agent/src/workspace/fd-path.ts';
+import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import { openFileAt, readDirAt } from '../../../guest-agent/src/workspace/fd-path.ts';
 import { nameFromBytes } from '../../../guest-agent/src/workspace/names.ts';
 import type { Principals } from '../api/principals.ts';
 import type { SessionManager } from '../sessions/session-manager.ts';
 import type { Session, SignalName } from '../sessions/session.ts';
 import { ConnectError, requestMessage, ServerStream, unaryError, unaryReply } from './connect-json.ts';
 import { PollingWatcher, watchDir } from './watch.ts';
+import { ByteBudget } from '../util/byte-budget.ts';
 
 /**
  * The envd version reported to the SDK. 0.5.7 switches on octet-stream uploads (served);
@@ -41,6 +44,11 @@ const DEFAULT_TIMEOUT_S = 300;
 const MAX_TIMEOUT_S = 24 * 3600;
 /** Body limit for API JSON and uploads: the file tools' default file limit plus multipart overhead. */
 const MAX_BODY_BYTES = 65 * 1024 * 1024;
+/** Upload bodies held at once (ByteBudget): in all, and per principal (two of the largest). */
+const BODIES_TOTAL_BYTES = 512 * 1024 * 1024;
+const BODIES_PER_PRINCIPAL_BYTES = 2 * MAX_BODY_BYTES;
+/** How long an upload waits, unread, for room before it is refused (429). */
+const BODY_WAIT_MS = 30_000;
 /** Directory watches (streamed and polling) a sandbox may hold at once. */
 const MAX_WATCHES = 16;
 
@@ -173,6 +181,8 @@ function shellQuote(s: string): string {
 export class E2bEndpoint {
   private readonly sandboxes = new Map<string, Sandbox>();
   private nextPid = 1000;
+  /** Upload bodies the broker holds at once (tests read it). */
+  readonly bodies = new ByteBudget(BODIES_TOTAL_BYTES, BODIES_PER_PRINCIPAL_BYTES, 'E2B upload');
 
   constructor(
     private readonly o: {
@@ -410,7 +420,7 @@ export class E2bEndpoint {
       return;
     }
     if (path === '/files' && m === 'GET') return this.download(res, s, q.get('path') ?? '');
-    if (path === '/files' && m === 'POST') return this.upload(req, res, s, q.get('path') ?? undefined);
+    if (path === '/files' && m === 'POST') return this.upload(req, res, s, q.get('path') ?? undefined, sb.principal);
     if (m !== 'POST') return apiError(res, 404, `not found: ${m} ${path}`);
     const rpc = path.slice(1);
     if (rpc === 'process.Process/Start') return this.start(req, res, sb, s);
@@ -623,29 +633,67 @@ export class E2bEndpoint {
     }
   }
 
+  /**
+   * Streams the file from the fd opened under confinement, at the pace the client reads it:
+   * the broker holds one read buffer, not the file. (It read whole files into memory, so ten
+   * concurrent downloads of a 1.9 GB workspace file would have held 19 GB, and a file above
+   * 2 GiB could not be read at all.)
+   */
   private async download(res: ServerResponse, s: Session, path: string): Promise<void> {
     if (!path) return apiError(res, 400, 'path is required');
-    let buf: Buffer;
+    let fh: FileHandle;
+    let size: number;
+    let ino: number;
     try {
       const r = s.files.ws.open(path, { followFinal: true });
       try {
         if (!r.stat) throw new HutchError('not_found', `no such file: ${path}`);
         if (r.stat.isDirectory()) throw new HutchError('is_a_directory', `${path} is a directory`);
-        const ino = r.stat.ino;
-        ({ buf } = await readFileAt(r.dirFd, r.name, (st) => {
-          if (!st.isFile() || st.ino !== ino) throw new HutchError('bad_request', `${path} is not a regular file (or changed while being opened)`);
-        }));
+        ino = r.stat.ino;
+        // O_NONBLOCK: a FIFO put there since the stat cannot hold the open; fstat refuses it.
+        fh = await openFileAt(r.dirFd, r.name, constants.O_RDONLY | constants.O_NONBLOCK);
       } finally {
         r.close();
       }
+      const st = await fh.stat().catch(async (err: unknown) => {
+        await fh.close();
+        throw err;
+      });
+      if (!st.isFile() || st.ino !== ino) {
+        await fh.close();
+        throw new HutchError('bad_request', `${path} is not a regular file (or changed while being opened)`);
+      }
+      size = st.size;
     } catch (err) {
-      const e = err instanceof HutchError ? err : new HutchError('internal', (err as Error).message);
+      const e = err instanceof HutchError ? err : toHutchError(err, { path });
       return apiError(res, e.code === 'not_found' ? 404 : e.code === 'outside_workspace' || e.code === 'permission_denied' ? 403 : 400, `${e.code}: ${e.message}`);
     }
-    res.writeHead(200, { 'content-type': 'application/octet-stream', 'content-length': String(buf.length) }).end(buf);
+    res.writeHead(200, { 'content-type': 'application/octet-stream', 'content-length': String(size) });
+    if (size === 0) {
+      await fh.close();
+      res.end();
+      return;
+    }
+    // The length fstat gave: a file growing meanwhile does not overrun content-length.
+    await pipeline(fh.createReadStream({ start: 0, end: size - 1 }), res).catch(() => res.destroy());
   }
 
-  private async upload(req: IncomingMessage, res: ServerResponse, s: Session, path: string | undefined): Promise<void> {
+  private async upload(req: IncomingMessage, res: ServerResponse, s: Session, path: string | undefined, principal: string): Promise<void> {
+    // The body is held whole (multipart is parsed from memory): its room first, or wait unread.
+    const declared = Number(req.headers['content-length'] ?? NaN);
+    const release = await this.bodies
+      .reserve(Number.isFinite(declared) && declared >= 0 ? Math.min(declared, MAX_BODY_BYTES) : MAX_BODY_BYTES, principal, BODY_WAIT_MS)
+      .catch((err: unknown) => {
+        throw new ApiError(429, (err as Error).message);
+      });
+    try {
+      await this.uploadHeld(req, res, s, path);
+    } finally {
+      release();
+    }
+  }
+
+  private async uploadHeld(req: IncomingMessage, res: ServerResponse, s: Session, path: string | undefined): Promise<void> {
     const body = await readBody(req);
     const type = req.headers['content-type'] ?? '';
     const files: Array<{ path: string; data: Buffer }> = [];
