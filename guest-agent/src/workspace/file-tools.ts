@@ -20,9 +20,9 @@ import { lstatAt, readFileAt, readlinkAt, type OpenedFile, removeTreeAt, renameA
 import { compileGlob } from './glob-match.ts';
 import { nameFromBytes } from './names.ts';
 import { RegexSearch, type FileMatches } from './regex-search.ts';
-import { countOccurrences, looksBinary, MAX_LINE_CHARS, splitLines } from './text.ts';
+import { countOccurrences, lineWindow, looksBinary, MAX_LINE_CHARS } from './text.ts';
 import { walk, type WalkType } from './walk.ts';
-import { WorkBudget } from './work-budget.ts';
+import { LoopSlicer, WorkBudget } from './work-budget.ts';
 
 /** Directories the listing and search tools skip, as opencode's do. */
 export const DEFAULT_IGNORED_DIRS: ReadonlySet<string> = new Set([
@@ -83,35 +83,27 @@ export class FileTools {
     return this.at(p.path, {}, async (r) => {
       const { buf } = await this.readRegular(r, p.path);
       if (looksBinary(buf)) throw new HutchError('binary_file', `${p.path} is a binary file`, { path: p.path, bytes: buf.length });
-      const all = splitLines(buf.toString('utf8'));
       const offset = p.offset ?? 0;
       const limit = p.limit ?? DEFAULT_READ_LIMIT;
-      if (offset > 0 && offset >= all.length) {
-        throw new HutchError('bad_request', `offset ${offset} is beyond the end of ${p.path} (${all.length} lines)`, {
+      const slicer = new LoopSlicer();
+      const { total, lines, cut } = await lineWindow(buf, offset, limit, () => slicer.tick());
+      if (offset > 0 && offset >= total) {
+        throw new HutchError('bad_request', `offset ${offset} is beyond the end of ${p.path} (${total} lines)`, {
           path: p.path,
           offset,
-          totalLines: all.length,
+          totalLines: total,
         });
       }
-      const slice = all.slice(offset, offset + limit);
-      let cut = 0;
       const numbered = p.numbered ?? true;
-      const out = slice.map((line, i) => {
-        let l = line;
-        if (l.length > MAX_LINE_CHARS) {
-          l = l.slice(0, MAX_LINE_CHARS) + '...';
-          cut++;
-        }
-        return numbered ? `${String(offset + i + 1).padStart(5, '0')}| ${l}` : l;
-      });
+      const out = numbered ? lines.map((l, i) => `${String(offset + i + 1).padStart(5, '0')}| ${l}`) : lines;
       return {
         path: this.ws.display(r.rel),
         content: out.join('\n'),
         offset,
-        lines: slice.length,
-        totalLines: all.length,
+        lines: lines.length,
+        totalLines: total,
         longLinesCut: cut,
-        hasMore: offset + slice.length < all.length,
+        hasMore: offset + lines.length < total,
       };
     });
   }
