@@ -1,6 +1,6 @@
 import { afterAll, beforeEach, describe, expect, it } from 'vitest';
 import { execFileSync } from 'node:child_process';
-import { chmodSync, existsSync, linkSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, symlinkSync, writeFileSync } from 'node:fs';
+import { chmodSync, closeSync, existsSync, linkSync, mkdirSync, mkdtempSync, readdirSync, openSync, readFileSync, rmSync, statSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Workspace } from '../guest-agent/src/workspace/confine.ts';
@@ -189,6 +189,15 @@ describe('glob, grep, list', () => {
     expect((await tools.glob({ pattern: '**/*.py', limit: 2 })).truncated).toBe(true);
     expect(await codeOf(tools.glob({ pattern: '*', path: 'README.md' }))).toBe('not_a_directory');
   });
+
+  it('grep over a directory of 150,000 empty files finds the one match (their answers overflowed the stack as spread arguments)', async () => {
+    mkdirSync(join(root, 'many'));
+    for (let i = 0; i < 150_000; i++) closeSync(openSync(join(root, 'many', `f${i}`), 'w'));
+    writeFileSync(join(root, 'many', 'needle.txt'), 'hay\nneedle here\n');
+    const r = await tools.grep({ pattern: 'needle here', path: 'many' });
+    expect(r.matches).toEqual([{ path: 'many/needle.txt', line: 2, text: 'needle here' }]);
+    expect(r.filesSearched).toBe(150_001);
+  }, 120_000);
 
   it('grep finds lines by regex with include and limit, and rejects a bad regex', async () => {
     const r = await tools.grep({ pattern: 'TODO: fix src/.*\\.py', include: '*.py' });

@@ -38,6 +38,8 @@ export interface FileMatches {
 
 /** Bytes of file content sent to the worker per message. */
 const BATCH_BYTES = 4 * 1024 * 1024;
+/** Files per message, however small (a directory of 200,000 empty files was one message). */
+const BATCH_FILES = 4096;
 const IDLE_MS = 30_000;
 
 const WORKER_SOURCE = `
@@ -170,7 +172,7 @@ export class RegexSearch {
     this.checkDeadline();
     this.batch.push(content);
     this.batchBytes += content.length;
-    if (this.batchBytes >= BATCH_BYTES) await this.flush();
+    if (this.batchBytes >= BATCH_BYTES || this.batch.length >= BATCH_FILES) await this.flush();
   }
 
   async finish(): Promise<FileMatches[]> {
@@ -195,7 +197,8 @@ export class RegexSearch {
     this.batchBytes = 0;
     const w = await this.acquire();
     const answer = await this.run(w, files);
-    this.results.push(...answer);
+    // One by one: spreading a batch's answers as arguments overflowed the stack past ~100,000.
+    for (const a of answer) this.results.push(a);
   }
 
   private async acquire(): Promise<PooledWorker> {
