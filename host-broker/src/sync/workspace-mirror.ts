@@ -219,7 +219,7 @@ export class WorkspaceMirror {
       if (stage.size > 0) {
         await stage.commit();
         const applied = await stage.apply();
-        errors.push(...applied.errors);
+        for (const e of applied.errors) errors.push(e);
         await this.noteApplied(applied.applied);
       } else await stage.discard();
     } catch (err) {
@@ -425,13 +425,11 @@ class PullErrorLog {
   readonly paths: string[] = [];
   pathsOmitted = 0;
 
-  push(...es: PullError[]): void {
-    for (const e of es) {
-      if (this.listed.length < MAX_REPORTED_PULL_ERRORS) this.listed.push(e);
-      else this.omitted++;
-      if (this.paths.length < MAX_UNPULLED) this.paths.push(e.path);
-      else this.pathsOmitted++;
-    }
+  push(e: PullError): void {
+    if (this.listed.length < MAX_REPORTED_PULL_ERRORS) this.listed.push(e);
+    else this.omitted++;
+    if (this.paths.length < MAX_UNPULLED) this.paths.push(e.path);
+    else this.pathsOmitted++;
   }
 }
 
