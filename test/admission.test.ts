@@ -155,3 +155,37 @@ describe('fair admission between principals', () => {
     expect([a.wakes.inUse, a.wakes.waiting]).toEqual([0, 0]);
   });
 });
+
+/**
+ * One tenant keeping its VMs busy held the whole memory budget: every other tenant's wake
+ * waited, then failed busy. A principal's VMs reserve at most principalMemoryMiB (half the
+ * budget by default once several principals share a broker).
+ */
+describe('memory per principal', () => {
+  it("a principal at its share waits for one of its own VMs, and fails busy naming its share; another's wake goes on", async () => {
+    const a = new Admission({ maxConcurrentWakes: 4, maxConcurrentVmCalls: 4, memoryBudgetMiB: 2000, queueTimeoutMs: 100, principalMemoryMiB: 1000 });
+    const a1 = await a.reserveMemory(512, 's1', 'alice');
+    await expect(a.reserveMemory(512, 's2', 'alice')).rejects.toMatchObject({ code: 'busy', context: { principalReservedMiB: 512, principalMemoryMiB: 1000 } });
+    const b1 = await a.reserveMemory(512, 's3', 'bob'); // the budget has room: bob is not held back
+    // Alice's next wake waits for her own release, not a timeout.
+    const next = a.reserveMemory(512, 's2', 'alice');
+    a1();
+    (await next)();
+    b1();
+    expect(a.memoryReservedMiB).toBe(0);
+    await expect(a.reserveMemory(1024, 's4', 'carol')).rejects.toMatchObject({ code: 'too_large', context: { principalMemoryMiB: 1000 } });
+  });
+
+  it('several principals on a broker get half the budget each by default; one gets all of it', async () => {
+    const { startBroker } = await import('./helpers/broker.ts');
+    const one = await startBroker({ admission: { memoryBudgetMiB: 4000 } });
+    const two = await startBroker({ tokens: { alice: 'alice-token-share-0123456789' }, admission: { memoryBudgetMiB: 4000 } });
+    try {
+      expect(one.broker.admission.opts.principalMemoryMiB).toBe(4000);
+      expect(two.broker.admission.opts.principalMemoryMiB).toBe(2000);
+    } finally {
+      await one.stop();
+      await two.stop();
+    }
+  }, 120_000);
+});

@@ -133,11 +133,13 @@ describe('hutch serve for a supervisor', () => {
     expect(help.out().stdout).toMatch(/--standby N\s+VMs kept restored and warmed for the next wake \(default 1; 0 = none;/);
   }, 120_000);
 
-  it('--session-memory-mib and --session-cpus lists that are not whole numbers in range are refused before any work', async () => {
+  it('--session-memory-mib, --session-cpus, --principal-memory-mib and --max-sessions that are not whole numbers in range are refused before any work', async () => {
     for (const [flag, bad, says] of [
       ['--session-memory-mib', '512,abc', 'takes whole numbers separated by commas'],
       ['--session-memory-mib', '32', 'memoryMiB 32 is not a whole number from 64'],
       ['--session-cpus', '128', 'cpus 128 is not a whole number from 1 to 64'],
+      ['--principal-memory-mib', '0', '--principal-memory-mib must be a whole number > 0'],
+      ['--max-sessions', 'many', '--max-sessions must be a whole number > 0'],
     ] as const) {
       const cache = mkdtempSync(join(work, 'cache-'));
       const s = startServe(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', 'serve', '--port', '0', '--token', token, '--data-dir', join(work, 'data-sz'), `${flag}=${bad}`, '--log-level', 'error'], cache);

@@ -97,6 +97,12 @@ export interface AdmissionOptions {
    * on without one. See admitVmCall.
    */
   vmCallSlotMs?: number;
+  /**
+   * The most one principal's VMs may reserve, MiB (default: the whole budget). A tenant
+   * keeping its VMs busy (long commands, calls in a loop) otherwise held the whole budget, and
+   * every other tenant's wakes waited, then failed busy.
+   */
+  principalMemoryMiB?: number;
 }
 
 /** A VM call's hold on its admission slot: the push, the start of its run, a short call whole. */
@@ -111,6 +117,8 @@ export class Admission {
   readonly wakes: FairSemaphore;
   readonly vmCalls: FairSemaphore;
   private reservedMiB = 0;
+  /** Principal -> MiB its live VMs reserve. */
+  private readonly byPrincipal = new Map<string, number>();
   private readonly memWaiters: Array<() => void> = [];
   /** Wakes inside reserveMemory: while any waits, no standby takes room (it would only be given up again). */
   private wakesWaitingForMemory = 0;
@@ -123,9 +131,9 @@ export class Admission {
   }
 
   /**
-   * Admits a VM call: waits (in turn between principals, up to queueTimeoutMs) for a slot and holds it for at most
-   * vmCallSlotMs. The slots bound how many calls push and start at once, which is where a
-   * burst of calls costs the host; a call still running after that (a `sleep 600`, a long
+   * Admits a VM call: waits for a slot (principals in turn, up to queueTimeoutMs) and holds
+   * it for at most vmCallSlotMs. The slots bound how many calls push and start at once, which
+   * is where a burst of calls costs the host; a call still running after that (a `sleep 600`, a long
    * build: its VM's vCPUs are the kernel scheduler's to share) gives its slot to the next
    * waiter. Held for the whole call, four slots taken by one tenant's long commands held
    * every other tenant's VM calls until they failed `busy` two minutes later.
@@ -178,17 +186,24 @@ export class Admission {
   }
 
   /** Reserves memory for a VM about to wake (standbys give theirs up first); the returned function gives it back. */
-  async reserveMemory(mib: number, session: string): Promise<() => void> {
+  async reserveMemory(mib: number, session: string, principal = ''): Promise<() => void> {
     if (mib > this.opts.memoryBudgetMiB) {
       throw new HutchError('too_large', `session ${session} asks for ${mib} MiB, above the host memory budget of ${this.opts.memoryBudgetMiB} MiB`, { session, mib });
     }
+    const cap = Math.min(this.opts.principalMemoryMiB ?? Infinity, this.opts.memoryBudgetMiB);
+    if (mib > cap) throw new HutchError('too_large', `session ${session} asks for ${mib} MiB, above the ${cap} MiB one principal's VMs may hold`, { session, mib, principalMemoryMiB: cap });
     const deadline = Date.now() + this.opts.queueTimeoutMs;
     this.wakesWaitingForMemory++;
     try {
-      while (this.reservedMiB + mib > this.opts.memoryBudgetMiB) {
+      for (;;) {
+        // (A share that is the whole budget is the budget's check alone.)
+        const overShare = cap < this.opts.memoryBudgetMiB && (this.byPrincipal.get(principal) ?? 0) + mib > cap;
+        const overBudget = this.reservedMiB + mib > this.opts.memoryBudgetMiB;
+        if (!overShare && !overBudget) break;
         // Standbys give their room up, oldest first, but only when that makes room: a wake
-        // that must wait for live VMs anyway leaves them for the wakes before it.
-        if (this.reservedMiB - this.yieldingMiB + mib <= this.opts.memoryBudgetMiB) {
+        // that must wait for live VMs anyway (or for its principal's own) leaves them for the
+        // wakes before it.
+        if (!overShare && this.reservedMiB - this.yieldingMiB + mib <= this.opts.memoryBudgetMiB) {
           const standby = this.yielding.shift() as (typeof this.yielding)[number];
           standby.release();
           standby.yieldRoom();
@@ -196,33 +211,51 @@ export class Admission {
         }
         const left = deadline - Date.now();
         if (left <= 0) {
+          if (overShare) {
+            throw new HutchError('busy', `principal ${principal || 'default'} holds ${this.byPrincipal.get(principal) ?? 0} of the ${cap} MiB its VMs may reserve; session ${session} cannot wake until one of them is released`, {
+              session,
+              principalReservedMiB: this.byPrincipal.get(principal) ?? 0,
+              principalMemoryMiB: cap,
+            });
+          }
           throw new HutchError('busy', `host memory budget exhausted (${this.reservedMiB - this.yieldingMiB} of ${this.opts.memoryBudgetMiB} MiB reserved by live VMs); session ${session} cannot wake now`, {
             session,
             reservedMiB: this.reservedMiB,
             budgetMiB: this.opts.memoryBudgetMiB,
           });
         }
-        await new Promise<void>((resolve) => {
-          const t = setTimeout(resolve, left);
-          this.memWaiters.push(() => {
-            clearTimeout(t);
-            resolve();
-          });
-        });
+        await this.memoryFreed(left);
       }
-      return this.hold(mib);
+      return this.hold(mib, principal);
     } finally {
       this.wakesWaitingForMemory--;
     }
   }
 
-  private hold(mib: number): () => void {
+  /** Resolves when some reservation is given back, or after `ms`. */
+  private memoryFreed(ms: number): Promise<void> {
+    return new Promise<void>((resolve) => {
+      const t = setTimeout(resolve, ms);
+      this.memWaiters.push(() => {
+        clearTimeout(t);
+        resolve();
+      });
+    });
+  }
+
+  private hold(mib: number, principal?: string): () => void {
     this.reservedMiB += mib;
+    if (principal !== undefined) this.byPrincipal.set(principal, (this.byPrincipal.get(principal) ?? 0) + mib);
     let released = false;
     return () => {
       if (released) return;
       released = true;
       this.reservedMiB -= mib;
+      if (principal !== undefined) {
+        const left = (this.byPrincipal.get(principal) ?? mib) - mib;
+        if (left > 0) this.byPrincipal.set(principal, left);
+        else this.byPrincipal.delete(principal);
+      }
       for (const w of this.memWaiters.splice(0)) w();
     };
   }

@@ -150,7 +150,10 @@ export class Broker {
     this.mcp = new McpHttpEndpoint({ brokerUrl: () => loopbackUrl(opts.host, this.port), log: opts.log });
     privateDir(opts.dataDir);
     this.policy = { ...DEFAULT_POLICY, ...opts.policy, ...(opts.idleMs !== undefined ? { idleMs: opts.idleMs } : {}) };
-    this.admission = new Admission({ ...defaultAdmission(), ...opts.admission });
+    const admission = { ...defaultAdmission(), ...opts.admission };
+    // With several principals, none may hold more than half the VM memory unless the operator says so.
+    const principals = Object.keys({ ...(opts.token !== undefined ? { default: true } : {}), ...opts.tokens }).length;
+    this.admission = new Admission({ ...admission, principalMemoryMiB: admission.principalMemoryMiB ?? (principals > 1 ? Math.floor(admission.memoryBudgetMiB / 2) : admission.memoryBudgetMiB) });
     opts.backend.attachMemoryBudget?.(this.admission);
     this.sessions = new SessionManager(
       opts.dataDir,

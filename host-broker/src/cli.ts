@@ -84,6 +84,9 @@ serve options:
   --memory-budget-mib N
                     host memory the VMs may reserve, each its full size, standbys included (default 75%
                     of RAM); a wake past it stops a standby or waits, then fails busy
+  --principal-memory-mib N
+                    of that, what one principal's VMs may reserve (default: all of it with one principal,
+                    half with several); its wake past it waits for one of its own VMs, then fails busy
   --ready-fd N      when listening, write one JSON line {"url","port",...} to file descriptor N and close it
   --ready-json      print that JSON line on stdout instead of the human-readable line
   -h, --help        this text
@@ -122,6 +125,8 @@ export interface ServeOptions {
   sessionSizes?: SessionSizes;
   /** Sessions plus kept workspaces per principal (default DEFAULT_MAX_SESSIONS_PER_PRINCIPAL). */
   maxSessionsPerPrincipal?: number;
+  /** VM memory one principal may reserve, MiB (default: the budget; half of it with several principals). */
+  principalMemoryMiB?: number;
 }
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
@@ -157,7 +162,9 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     ...(o.policy ? { policy: o.policy } : {}),
     ...(o.quota ? { quota: o.quota } : {}),
     ...(o.cluster ? { cluster: o.cluster } : {}),
-    ...(o.memoryBudgetMiB !== undefined ? { admission: { memoryBudgetMiB: o.memoryBudgetMiB } } : {}),
+    ...(o.memoryBudgetMiB !== undefined || o.principalMemoryMiB !== undefined
+      ? { admission: { ...(o.memoryBudgetMiB !== undefined ? { memoryBudgetMiB: o.memoryBudgetMiB } : {}), ...(o.principalMemoryMiB !== undefined ? { principalMemoryMiB: o.principalMemoryMiB } : {}) } }
+      : {}),
   });
   await broker.start();
   return broker;
@@ -246,6 +253,7 @@ async function main(): Promise<void> {
       'session-memory-mib': { type: 'string' },
       'session-cpus': { type: 'string' },
       'max-sessions': { type: 'string' },
+      'principal-memory-mib': { type: 'string' },
       'ready-fd': { type: 'string' },
       'ready-json': { type: 'boolean', default: false },
       help: { type: 'boolean', short: 'h' },
@@ -283,6 +291,7 @@ async function main(): Promise<void> {
     ...(values['workspace-root'] ? { workspaceRoots: values['workspace-root'] } : {}),
     sessionSizes,
     ...(values['max-sessions'] !== undefined ? { maxSessionsPerPrincipal: positiveInt('--max-sessions', values['max-sessions']) } : {}),
+    ...(values['principal-memory-mib'] !== undefined ? { principalMemoryMiB: positiveInt('--principal-memory-mib', values['principal-memory-mib']) } : {}),
     limits,
     ...(values['metrics-port'] !== undefined ? { metricsListen: { host: values['metrics-host'], port: Number(values['metrics-port']) } } : {}),
     policyLevel: values.level ?? '4',

@@ -210,7 +210,7 @@ export class SandboxLifecycle {
     const doneWake = await this.admission.wakes.acquire(this.admission.opts.queueTimeoutMs, this.spec.principal);
     let releaseMem: (() => void) | undefined;
     try {
-      releaseMem = await this.admission.reserveMemory(this.spec.memoryMiB, this.spec.session);
+      releaseMem = await this.admission.reserveMemory(this.spec.memoryMiB, this.spec.session, this.spec.principal);
       // The wake's push scans the host workspace as it is from here on: host changes seen
       // until now are in it, and any seen later are the next call's to push (taking them
       // after the push would drop a change that landed while it ran).
