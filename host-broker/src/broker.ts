@@ -21,6 +21,7 @@ import { availableParallelism, totalmem } from 'node:os';
 import { DEFAULT_POLICY, type SandboxPolicy } from './policy/sandbox-policy.ts';
 import { ClusterMember, drainingError, type ClusterOptions } from './catalog/member.ts';
 import { validateSessionSizes, type SessionSizes } from './sessions/session-sizes.ts';
+import { ByteBudget } from './util/byte-budget.ts';
 
 export interface BrokerOptions {
   port: number;
@@ -127,6 +128,12 @@ export class Broker {
   readonly sessions: SessionManager;
   readonly metrics = new BrokerMetrics();
   readonly admission: Admission;
+  /**
+   * File bytes the in-process read and edit hold at once (each loads its file, up to 64 MiB):
+   * 1 GiB in all, 256 MiB per principal. A principal's 128 sessions reading 64 MiB files at
+   * once would otherwise hold 8 GiB of the broker's memory.
+   */
+  readonly fileBytes = new ByteBudget(1024 * 1024 * 1024, 256 * 1024 * 1024, 'in-process file reads');
   readonly policy: SandboxPolicy;
   private server: WsServer | undefined;
   /** Streamed uploads and downloads (made with the server, which holds their limits). */
@@ -166,6 +173,7 @@ export class Broker {
         policy: this.policy,
         ...(opts.maxFileBytes ? { maxFileBytes: opts.maxFileBytes } : {}),
         ...(opts.quota ? { quota: opts.quota } : {}),
+        fileBytes: this.fileBytes,
       },
       opts.log,
       { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}), ...(opts.sessionSizes ? { sizes: validateSessionSizes(opts.sessionSizes) } : {}), ...(opts.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: opts.maxSessionsPerPrincipal } : {}) },

@@ -45,6 +45,11 @@ export interface FileToolsOptions {
    * throwing refuses the call (the broker's workspace quota, sessions/workspace-quota.ts).
    */
   beforeGrow?: (g: PlannedGrowth) => void;
+  /**
+   * Called before a read or edit loads a file of `bytes` into memory; resolves to the release
+   * once there is room (the broker's budget of file bytes held at once, util/byte-budget.ts).
+   */
+  holdBytes?: (bytes: number) => Promise<() => void>;
 }
 
 /** What one call will add: `dirs` new directories and maybe a file (`replaces`: the file it overwrites). */
@@ -80,32 +85,44 @@ export class FileTools {
   }
 
   async read(p: In<typeof ReadParamsSchema>): Promise<ResultOf<'fs.read'>> {
-    return this.at(p.path, {}, async (r) => {
-      const { buf } = await this.readRegular(r, p.path);
-      if (looksBinary(buf)) throw new HutchError('binary_file', `${p.path} is a binary file`, { path: p.path, bytes: buf.length });
-      const offset = p.offset ?? 0;
-      const limit = p.limit ?? DEFAULT_READ_LIMIT;
-      const slicer = new LoopSlicer();
-      const { total, lines, cut } = await lineWindow(buf, offset, limit, () => slicer.tick());
-      if (offset > 0 && offset >= total) {
-        throw new HutchError('bad_request', `offset ${offset} is beyond the end of ${p.path} (${total} lines)`, {
-          path: p.path,
-          offset,
-          totalLines: total,
-        });
-      }
-      const numbered = p.numbered ?? true;
-      const out = numbered ? lines.map((l, i) => `${String(offset + i + 1).padStart(5, '0')}| ${l}`) : lines;
-      return {
-        path: this.ws.display(r.rel),
-        content: out.join('\n'),
+    return this.at(p.path, {}, (r) => this.holding(r, () => this.readLines(r, p)));
+  }
+
+  /** Runs `fn` (which loads the file `r` into memory) holding room for its size, when the caller bounds that. */
+  private async holding<T>(r: Resolution, fn: () => Promise<T>): Promise<T> {
+    const release = await this.opts.holdBytes?.(Math.min(r.stat?.size ?? 0, this.maxFileBytes));
+    try {
+      return await fn();
+    } finally {
+      release?.();
+    }
+  }
+
+  private async readLines(r: Resolution, p: In<typeof ReadParamsSchema>): Promise<ResultOf<'fs.read'>> {
+    const { buf } = await this.readRegular(r, p.path);
+    if (looksBinary(buf)) throw new HutchError('binary_file', `${p.path} is a binary file`, { path: p.path, bytes: buf.length });
+    const offset = p.offset ?? 0;
+    const limit = p.limit ?? DEFAULT_READ_LIMIT;
+    const slicer = new LoopSlicer();
+    const { total, lines, cut } = await lineWindow(buf, offset, limit, () => slicer.tick());
+    if (offset > 0 && offset >= total) {
+      throw new HutchError('bad_request', `offset ${offset} is beyond the end of ${p.path} (${total} lines)`, {
+        path: p.path,
         offset,
-        lines: lines.length,
         totalLines: total,
-        longLinesCut: cut,
-        hasMore: offset + lines.length < total,
-      };
-    });
+      });
+    }
+    const numbered = p.numbered ?? true;
+    const out = numbered ? lines.map((l, i) => `${String(offset + i + 1).padStart(5, '0')}| ${l}`) : lines;
+    return {
+      path: this.ws.display(r.rel),
+      content: out.join('\n'),
+      offset,
+      lines: lines.length,
+      totalLines: total,
+      longLinesCut: cut,
+      hasMore: offset + lines.length < total,
+    };
   }
 
   async write(p: In<typeof WriteParamsSchema>): Promise<ResultOf<'fs.write'>> {
@@ -137,7 +154,7 @@ export class FileTools {
       const w = await this.write({ path: p.path, content: p.newString });
       return { path: w.path, replacements: 1, bytes: w.bytes };
     }
-    return this.at(p.path, {}, async (r) => {
+    return this.at(p.path, {}, (r) => this.holding(r, async () => {
       const { buf, st } = await this.readRegular(r, p.path);
       if (looksBinary(buf)) throw new HutchError('binary_file', `${p.path} is a binary file`, { path: p.path });
       const text = buf.toString('utf8');
@@ -155,7 +172,7 @@ export class FileTools {
       this.opts.beforeGrow?.({ path: p.path, dirs: 0, file: { bytes: data.length, replaces: st } });
       await writeFileAtomic({ dirFd: r.dirFd, name: r.name }, data, { mode: st.mode, owner: { uid: st.uid, gid: st.gid }, durable: this.opts.durable ?? false });
       return { path: this.ws.display(r.rel), replacements: replaced, bytes: data.length };
-    });
+    }));
   }
 
   async glob(p: In<typeof GlobParamsSchema>): Promise<ResultOf<'fs.glob'>> {

@@ -20,6 +20,7 @@ import { agentFileTools } from '../tools/agent-file-tools.ts';
 import type { SandboxPolicy } from '../policy/sandbox-policy.ts';
 import { memoryStepsFor } from '../policy/memory-policy.ts';
 import { DEFAULT_QUOTA, WorkspaceQuota, type QuotaLimits } from './workspace-quota.ts';
+import type { ByteBudget } from '../util/byte-budget.ts';
 
 export interface SessionMeta {
   id: string;
@@ -57,7 +58,12 @@ export interface SessionDeps {
   policy: SandboxPolicy;
   /** The broker's workspace quota per session (default DEFAULT_QUOTA); a create may ask less. */
   quota?: QuotaLimits;
+  /** File bytes the in-process read and edit may hold at once, broker-wide and per principal. */
+  fileBytes?: ByteBudget;
 }
+
+/** How long an in-process read or edit waits for room in `fileBytes` before it fails busy. */
+const FILE_BYTES_WAIT_MS = 30_000;
 
 /** Default per-stream output kept in a bash result; everything is still streamed. */
 export const DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024;
@@ -94,7 +100,12 @@ export class Session {
     const broker = deps.quota ?? DEFAULT_QUOTA;
     const vm = deps.backend.workCapacityBytes ? { bytes: deps.backend.workCapacityBytes(meta), memoryMiB: meta.memoryMiB } : undefined;
     this.quota = new WorkspaceQuota(workspaceDir, { bytes: Math.min(broker.bytes, meta.quota?.bytes ?? Infinity), files: Math.min(broker.files, meta.quota?.files ?? Infinity) }, vm);
-    this.files = new FileTools(new Workspace(workspaceDir), { ...(deps.maxFileBytes ? { maxFileBytes: deps.maxFileBytes } : {}), beforeGrow: (g) => this.quota.plan(g) });
+    const budget = deps.fileBytes;
+    this.files = new FileTools(new Workspace(workspaceDir), {
+      ...(deps.maxFileBytes ? { maxFileBytes: deps.maxFileBytes } : {}),
+      beforeGrow: (g) => this.quota.plan(g),
+      ...(budget ? { holdBytes: (n: number) => budget.reserve(n, owner ?? '', FILE_BYTES_WAIT_MS) } : {}),
+    });
     this.log = deps.log.child({ session: meta.id });
     // A pull the broker was killed in the middle of is finished (committed) or dropped (not) before anything reads the workspace.
     const recovered = recoverPullJournal(workspaceDir, stateDir);
