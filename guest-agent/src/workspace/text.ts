@@ -27,9 +27,9 @@ const SCAN_CHUNK_BYTES = 1 << 20;
  * MAX_LINE_CHARS, with `cut` telling how many were), and how many lines it has: the text
  * split at '\n', a final newline ending the last line rather than starting an empty one
  * ('\n' is never part of a UTF-8 multibyte sequence, so the bytes split where the text
- * does). Works on the bytes: splitting a 64 MiB file of short
- * lines into strings held the loop for 760 ms and took 450 MB; this decodes only the lines
- * asked for and calls `tick` between megabytes (a LoopSlicer's, to let others run).
+ * does). Works on the bytes: splitting a 64 MiB file of short lines into strings held the
+ * loop for 760 ms and took 450 MB; this decodes only the lines asked for and calls `tick`
+ * between megabytes (a LoopSlicer's, to let others run).
  */
 export async function lineWindow(buf: Uint8Array, from: number, count: number, tick: () => Promise<void>): Promise<{ total: number; lines: string[]; cut: number }> {
   const spans: Array<[number, number]> = [];

@@ -1,11 +1,11 @@
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 
 /**
- * Bytes held in memory at once, across the broker and per principal: what a request body
- * the broker must buffer whole (an E2B multipart upload) reserves before it is read. A
- * request that does not fit waits, unread (its bytes stay in the socket), and fails `busy`
- * past its wait. Without it, thirty concurrent 60 MB uploads took the broker's memory to
- * 2.9 GB; a few hundred would have taken the host's.
+ * Bytes held in memory at once, across the broker and per principal: what the broker must
+ * hold whole (an E2B multipart upload body, a file an in-process read or edit loads)
+ * reserves its room before it is read. What does not fit waits (an upload unread, its bytes
+ * left in the socket) and fails `busy` past its wait. Without it, thirty concurrent 60 MB
+ * uploads took the broker's memory to 2.9 GB; a few hundred would have taken the host's.
  */
 export class ByteBudget {
   private used = 0;
