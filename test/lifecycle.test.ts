@@ -156,6 +156,36 @@ describe('broker restart', { tags: ['vm'] }, () => {
     rmSync(dataDir, { recursive: true, force: true });
   }, 900_000);
 
+  it('a broker shut down with reclaimed VMs snapshots them: their processes and home outlive the restart', async () => {
+    // Under the reclaim policy every idle VM stays alive, reclaimed; a shutdown used to stop
+    // them with everything outside /work (a reclaimed VM was not released again, a live one
+    // was reclaimed and then stopped).
+    const policy = { idlePolicy: 'reclaim' as const };
+    const first = await startBroker({ backend: 'qemu', policy });
+    const h1 = await first.connect();
+    const idle = await h1.create({ id: 'reclaimed-at-stop', workspace: { files: { 'a.txt': 'a\n' } } });
+    const live = await h1.create({ id: 'live-at-stop', workspace: { files: { 'b.txt': 'b\n' } } });
+    const bg = 'setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo started';
+    expect((await idle.run(`echo from-the-reclaimed-vm > ~/marker; ${bg}`, { route: 'vm' })).stdout).toBe('started\n');
+    expect((await live.run(`echo from-the-live-vm > ~/marker; ${bg}`, { route: 'vm' })).stdout).toBe('started\n');
+    await idle.hint('idle');
+    const releases = async (decision: string) => {
+      const text = await (await fetch(`${first.url.replace('ws:', 'http:')}/metrics`, { headers: { authorization: `Bearer ${first.token}` } })).text();
+      return Number(new RegExp(`hutch_releases_total\\{decision="${decision}"\\} (\\d+)`).exec(text)?.[1] ?? 0);
+    };
+    await waitFor(async () => (await releases('reclaim')) === 1, 120_000);
+    await first.stop({ keepData: true });
+    for (const id of ['reclaimed-at-stop', 'live-at-stop']) expect(existsSync(join(first.dataDir, 'sessions', id, 'state', 'slots', 'current'))).toBe(true);
+    const second = await startBroker({ backend: 'qemu', policy, dataDir: first.dataDir });
+    const h2 = await second.connect();
+    for (const [id, marker] of [['reclaimed-at-stop', 'from-the-reclaimed-vm'], ['live-at-stop', 'from-the-live-vm']] as const) {
+      const r = await (await h2.attach(id)).run('cat ~/marker; pgrep -c -x sleep', { route: 'vm' });
+      expect(r.woke).toBe(true);
+      expect(r.stdout).toBe(`${marker}\n1\n`);
+    }
+    await second.stop();
+  }, 900_000);
+
   it('examples/hundred.ts 20 --vm prints 20 matching lines', () => {
     const out = execFileSync(process.execPath, ['--import', 'tsx', 'examples/hundred.ts', '20', '--vm'], { encoding: 'utf8', timeout: 600_000, stdio: ['ignore', 'pipe', 'pipe'] });
     const lines = out.split('\n').filter((l) => /^Sandbox \d+: [0-9a-f]{16}$/.test(l));

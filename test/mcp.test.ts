@@ -227,3 +227,16 @@ describe('hutch mcp on the embedded defaults (qemu)', { tags: ['vm'] }, () => {
     }
   });
 });
+
+describe('tool errors', () => {
+  it('a command that ran before its call failed (its changes refused) still shows its output and exit code', async () => {
+    const { toolError } = await import('../host-broker/src/mcp/server.ts');
+    const { HutchError } = await import('../guest-agent/src/protocol/errors.ts');
+    const e = new HutchError('quota_exceeded', 'workspace quota exceeded', { limit: 'bytes', result: { exitCode: 3, stdout: 'built\n', stderr: 'warning\n' } });
+    const r = toolError(e);
+    expect(r.isError).toBe(true);
+    expect(r.content).toEqual([{ type: 'text', text: 'quota_exceeded: workspace quota exceeded\nbuilt\n\n[stderr]\nwarning\n\n[exit 3]' }]);
+    expect(r.structuredContent).toEqual({ error: { code: 'quota_exceeded', message: 'workspace quota exceeded', result: { exitCode: 3, stdout: 'built\n', stderr: 'warning\n' } } });
+    expect(toolError(new HutchError('busy', 'later')).content).toEqual([{ type: 'text', text: 'busy: later' }]);
+  });
+});

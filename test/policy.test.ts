@@ -57,6 +57,18 @@ describe('release cost model', () => {
     expect(c.decision).toBe('kill');
     expect(c.reason).toMatch(/cannot reclaim/);
   });
+  it('at a final release (broker shutdown) snapshots what reclaim would have kept: a reclaimed VM dies with the broker', () => {
+    const final = { ...base, final: true, processes: 2, meanIdleMs: 5000 };
+    expect(chooseRelease(DEFAULT_POLICY, { ...final, final: false }).decision).toBe('reclaim');
+    expect(chooseRelease(DEFAULT_POLICY, final).decision).toBe('snapshot');
+    expect(chooseRelease({ ...DEFAULT_POLICY, idlePolicy: 'reclaim' }, { ...base, final: true, dirty: true }).decision).toBe('snapshot');
+    expect(chooseRelease({ ...DEFAULT_POLICY, idlePolicy: 'reclaim' }, { ...base, final: true }).decision).toBe('kill');
+    expect(chooseRelease({ ...DEFAULT_POLICY, idlePolicy: 'snapshot' }, { ...base, final: true }).decision).toBe('snapshot');
+    expect(chooseRelease({ ...DEFAULT_POLICY, idlePolicy: 'kill' }, final).decision).toBe('kill');
+    const c = chooseRelease(DEFAULT_POLICY, { ...final, canSuspend: false });
+    expect(c.decision).toBe('kill');
+    expect(c.reason).toMatch(/lost/);
+  });
 });
 
 describe('policy presets and flags', () => {

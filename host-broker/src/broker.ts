@@ -22,6 +22,7 @@ import { DEFAULT_POLICY, type SandboxPolicy } from './policy/sandbox-policy.ts';
 import { ClusterMember, drainingError, type ClusterOptions } from './catalog/member.ts';
 import { validateSessionSizes, type SessionSizes } from './sessions/session-sizes.ts';
 import { ByteBudget } from './util/byte-budget.ts';
+import { defaultSlotDisk, SlotDiskBudget, type SlotDiskOptions } from './lifecycle/slot-disk-budget.ts';
 
 export interface BrokerOptions {
   port: number;
@@ -55,6 +56,8 @@ export interface BrokerOptions {
   /** Routing, wake and release policy (default: level 4 with the cost model). */
   policy?: Partial<SandboxPolicy>;
   admission?: Partial<AdmissionOptions>;
+  /** Disk the snapshot slots may take (default: half the data dir's filesystem; half of that per principal with several). */
+  slotDisk?: Partial<Omit<SlotDiskOptions, 'dir'>>;
   /** Member of a cluster behind gateways: catalog registration with a lease, /load, the gateway credential. */
   cluster?: ClusterOptions;
 }
@@ -133,6 +136,8 @@ export class Broker {
    * 1 GiB in all, 256 MiB per principal. A principal's 128 sessions reading 64 MiB files at
    * once would otherwise hold 8 GiB of the broker's memory.
    */
+  /** The data dir's disk the sessions' snapshot slots may take. */
+  readonly slotDisk: SlotDiskBudget;
   readonly fileBytes = new ByteBudget(1024 * 1024 * 1024, 256 * 1024 * 1024, 'in-process file reads');
   readonly policy: SandboxPolicy;
   private server: WsServer | undefined;
@@ -162,6 +167,10 @@ export class Broker {
     const principals = Object.keys({ ...(opts.token !== undefined ? { default: true } : {}), ...opts.tokens }).length;
     this.admission = new Admission({ ...admission, principalMemoryMiB: admission.principalMemoryMiB ?? (principals > 1 ? Math.floor(admission.memoryBudgetMiB / 2) : admission.memoryBudgetMiB) });
     opts.backend.attachMemoryBudget?.(this.admission);
+    const slotDisk = { ...defaultSlotDisk(opts.dataDir, principals), ...opts.slotDisk };
+    // A total given alone: one principal's share follows it, as the default's does.
+    if (opts.slotDisk?.totalBytes !== undefined && opts.slotDisk.principalBytes === undefined) slotDisk.principalBytes = principals > 1 ? Math.floor(slotDisk.totalBytes / 2) : slotDisk.totalBytes;
+    this.slotDisk = new SlotDiskBudget(slotDisk);
     this.sessions = new SessionManager(
       opts.dataDir,
       {
@@ -174,6 +183,7 @@ export class Broker {
         ...(opts.maxFileBytes ? { maxFileBytes: opts.maxFileBytes } : {}),
         ...(opts.quota ? { quota: opts.quota } : {}),
         fileBytes: this.fileBytes,
+        slotDisk: this.slotDisk,
       },
       opts.log,
       { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}), ...(opts.sessionSizes ? { sizes: validateSessionSizes(opts.sessionSizes) } : {}), ...(opts.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: opts.maxSessionsPerPrincipal } : {}) },
@@ -246,6 +256,8 @@ export class Broker {
     this.metrics.watchedDirs.set({ state: 'max' }, watchBudget.maxDirs);
     this.metrics.memoryReserved.set({ holder: 'vm' }, this.admission.memoryReservedMiB - this.admission.yieldingMiB);
     this.metrics.memoryReserved.set({ holder: 'standby' }, this.admission.yieldingMiB);
+    this.metrics.slotDisk.set({ state: 'held' }, this.slotDisk.heldBytes());
+    this.metrics.slotDisk.set({ state: 'limit' }, this.slotDisk.opts.totalBytes);
     const standby = this.opts.backend.standbyStats?.();
     if (standby) {
       this.metrics.standbyVms.set({ state: 'ready' }, standby.ready);

@@ -87,6 +87,11 @@ serve options:
   --principal-memory-mib N
                     of that, what one principal's VMs may reserve (default: all of it with one principal,
                     half with several); its wake past it waits for one of its own VMs, then fails busy
+  --slot-disk-gib N disk the snapshot slots may take in the data dir, GiB (default: half its filesystem);
+                    a release with no room keeps its VM reclaimed instead of writing a slot
+  --principal-slot-disk-gib N
+                    of that, what one principal's slots may take (default: all of it with one principal,
+                    half with several)
   --ready-fd N      when listening, write one JSON line {"url","port",...} to file descriptor N and close it
   --ready-json      print that JSON line on stdout instead of the human-readable line
   -h, --help        this text
@@ -127,6 +132,8 @@ export interface ServeOptions {
   maxSessionsPerPrincipal?: number;
   /** VM memory one principal may reserve, MiB (default: the budget; half of it with several principals). */
   principalMemoryMiB?: number;
+  /** Disk the snapshot slots may take, in all and per principal, bytes (default: half the data dir's filesystem). */
+  slotDisk?: { totalBytes?: number; principalBytes?: number };
 }
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
@@ -162,12 +169,25 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     ...(o.policy ? { policy: o.policy } : {}),
     ...(o.quota ? { quota: o.quota } : {}),
     ...(o.cluster ? { cluster: o.cluster } : {}),
+    ...(o.slotDisk ? { slotDisk: o.slotDisk } : {}),
     ...(o.memoryBudgetMiB !== undefined || o.principalMemoryMiB !== undefined
       ? { admission: { ...(o.memoryBudgetMiB !== undefined ? { memoryBudgetMiB: o.memoryBudgetMiB } : {}), ...(o.principalMemoryMiB !== undefined ? { principalMemoryMiB: o.principalMemoryMiB } : {}) } }
       : {}),
   });
   await broker.start();
   return broker;
+}
+
+/** --slot-disk-gib and --principal-slot-disk-gib, in bytes; a share above the total is refused. */
+export function slotDiskFromFlags(total: string | undefined, principal: string | undefined): { slotDisk?: { totalBytes?: number; principalBytes?: number } } {
+  if (total === undefined && principal === undefined) return {};
+  const gib = 1024 ** 3;
+  const totalBytes = total !== undefined ? positiveInt('--slot-disk-gib', total) * gib : undefined;
+  const principalBytes = principal !== undefined ? positiveInt('--principal-slot-disk-gib', principal) * gib : undefined;
+  if (totalBytes !== undefined && principalBytes !== undefined && principalBytes > totalBytes) {
+    throw new HutchError('bad_request', `--principal-slot-disk-gib (${principal}) may be at most --slot-disk-gib (${total})`);
+  }
+  return { slotDisk: { ...(totalBytes !== undefined ? { totalBytes } : {}), ...(principalBytes !== undefined ? { principalBytes } : {}) } };
 }
 
 /** --level, then --idle-ms and --idle-policy on top, each checked. */
@@ -254,6 +274,8 @@ async function main(): Promise<void> {
       'session-cpus': { type: 'string' },
       'max-sessions': { type: 'string' },
       'principal-memory-mib': { type: 'string' },
+      'slot-disk-gib': { type: 'string' },
+      'principal-slot-disk-gib': { type: 'string' },
       'ready-fd': { type: 'string' },
       'ready-json': { type: 'boolean', default: false },
       help: { type: 'boolean', short: 'h' },
@@ -292,6 +314,7 @@ async function main(): Promise<void> {
     sessionSizes,
     ...(values['max-sessions'] !== undefined ? { maxSessionsPerPrincipal: positiveInt('--max-sessions', values['max-sessions']) } : {}),
     ...(values['principal-memory-mib'] !== undefined ? { principalMemoryMiB: positiveInt('--principal-memory-mib', values['principal-memory-mib']) } : {}),
+    ...slotDiskFromFlags(values['slot-disk-gib'], values['principal-slot-disk-gib']),
     limits,
     ...(values['metrics-port'] !== undefined ? { metricsListen: { host: values['metrics-host'], port: Number(values['metrics-port']) } } : {}),
     policyLevel: values.level ?? '4',

@@ -4,7 +4,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { createLogger } from '../../guest-agent/src/log.ts';
-import { Broker } from '../../host-broker/src/broker.ts';
+import { Broker, type BrokerOptions } from '../../host-broker/src/broker.ts';
 import { createBackend } from '../../host-broker/src/backends/registry.ts';
 import type { VmBackend } from '../../host-broker/src/backends/backend.ts';
 import { createFastPath } from '../../host-broker/src/tools/fastpath-factory.ts';
@@ -49,6 +49,8 @@ export async function startBroker(
     sessionSizes?: SessionSizes;
     /** Sessions plus kept workspaces per principal. */
     maxSessionsPerPrincipal?: number;
+    /** Disk the snapshot slots may take. */
+    slotDisk?: BrokerOptions['slotDisk'];
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
@@ -74,6 +76,7 @@ export async function startBroker(
     ...(o.admission ? { admission: o.admission } : {}),
     ...(o.sessionSizes ? { sessionSizes: o.sessionSizes } : {}),
     ...(o.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: o.maxSessionsPerPrincipal } : {}),
+    ...(o.slotDisk ? { slotDisk: o.slotDisk } : {}),
   });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;

@@ -137,6 +137,8 @@ describe('the workspace quota in a real VM', { tags: ['vm'] }, () => {
     const sb = await hutch.create({ workspace: { files: { 'a.txt': 'x\n' } }, quota: { bytes: 8 * MiB } });
     const err = await sb.run('head -c 20000000 /dev/zero > /work/big.bin; df -k /work', { route: 'vm' }).catch((e: unknown) => e);
     expect(err).toMatchObject({ code: 'quota_exceeded', context: { limit: 'bytes', quota: 8 * MiB } });
+    // The command ran: its output comes with the error (df's line for /work).
+    expect(err).toMatchObject({ message: expect.stringMatching(/context\.result/), context: { result: { exitCode: 0, stdout: expect.stringMatching(/ \/work\n$/), stderr: expect.stringMatching(/No space left/) } } });
     expect(lstatSync(join(wsOf(b, sb.id), 'big.bin')).size).toBeLessThanOrEqual(8 * MiB);
     await sb.close();
   }, 900_000);
@@ -148,6 +150,10 @@ describe('the workspace quota in a real VM', { tags: ['vm'] }, () => {
     const make = 'head -c 4000000 /dev/urandom > big; for i in $(seq 1 50); do ln big l$i; done; truncate -s 60M sparse; sha256sum big';
     const err = await sb.run(make, { route: 'vm' }).catch((e: unknown) => e);
     expect(err).toMatchObject({ code: 'quota_exceeded', context: { limit: 'bytes', quota: 8 * MiB } });
+    // Refused at the pull-back, after the command ran: what it printed is not lost.
+    const printed = (err as { context: { result: { exitCode: number; stdout: string } } }).context.result;
+    expect(printed.exitCode).toBe(0);
+    expect(printed.stdout).toMatch(/^[0-9a-f]{64} {2}big\n$/);
     const ws = wsOf(b, sb.id);
     expect(readdirSync(ws)).toEqual(['a.txt']);
     // Nothing the pull staged is left on the host either (the session's state dir).

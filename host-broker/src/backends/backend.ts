@@ -4,6 +4,7 @@ import type { TelemetrySample } from '../../../guest-agent/src/protocol/methods-
 import type { AgentClient, ExecRequest } from '../agent-client.ts';
 import type { HostChanges } from '../sync/host-changes.ts';
 import type { PullError } from '../sync/pull-journal.ts';
+import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 
 /**
  * Where calls the router sends to "the VM" run. A backend makes sandboxes; a sandbox is
@@ -102,6 +103,21 @@ export interface Synced<T> {
   syncErrorsOmitted?: number;
 }
 
+/**
+ * The call ran in the guest, but bringing its changes back failed (the quota, a full disk,
+ * the guest dying during the pull): the error is the pull's, and `value` is what the call
+ * returned, so its output is not lost with it. The host workspace is as before the call.
+ */
+export class AfterRunError<T = unknown> extends HutchError {
+  constructor(
+    cause: unknown,
+    readonly value: T,
+  ) {
+    const e = toHutchError(cause);
+    super(e.code, e.message, e.context, { cause });
+  }
+}
+
 export interface StartOptions {
   /** Restore this slot (the session's last dirty state) instead of the pristine snapshot. */
   from?: SlotRef | undefined;
@@ -173,6 +189,8 @@ export interface VmBackend {
    * swap). Absent: the quota alone bounds it.
    */
   workCapacityBytes?(size: { memoryMiB: number }): number;
+  /** The most disk one snapshot slot of a VM this size can take (its RAM, its swap disk, the manifest). */
+  slotBytesMax?(size: { memoryMiB: number }): number;
   /** Throws not_found unless the template exists (backends without templates leave this out). */
   checkTemplate?(name: string): void;
   /** The current pristine snapshot's key (slots based on another one are stale). */

@@ -26,7 +26,7 @@ import { saveSwapDisk } from '../vm/swap-disk.ts';
 import { warmStandby } from '../vm/standby-warmup.ts';
 import { TemplateImages, type TemplateImage } from '../templates/images.ts';
 import type { Accel, Vm } from '../vm/vmm.ts';
-import type { GuestState, ReclaimInfo, Sandbox, SandboxExecRequest, SandboxSpec, SlotRef, StandbyRoom, StartOptions, Synced, SyncedExecResult, VmBackend, WakeInfo } from './backend.ts';
+import { AfterRunError, type GuestState, type ReclaimInfo, type Sandbox, type SandboxExecRequest, type SandboxSpec, type SlotRef, type StandbyRoom, type StartOptions, type Synced, type SyncedExecResult, type VmBackend, type WakeInfo } from './backend.ts';
 
 export interface QemuBackendOptions {
   dataDir: string;
@@ -404,6 +404,12 @@ export class QemuBackend implements VmBackend {
     return (Math.floor(size.memoryMiB / 2) + this.swapMiB()) * 1024 * 1024;
   }
 
+  slotBytesMax(size: { memoryMiB: number }): number {
+    // The RAM stream (zero pages skipped, a few bytes per page of headers), the swap disk's
+    // blocks, and the manifest of /work (about 100 bytes per entry of the entry quota).
+    return (size.memoryMiB + this.swapMiB() + SLOT_OVERHEAD_MIB) * 1024 * 1024;
+  }
+
   private size(spec: SandboxSpec): { memoryMiB: number; cpus: number; swapMiB: number } {
     return { memoryMiB: spec.memoryMiB, cpus: spec.cpus, swapMiB: this.swapMiB() };
   }
@@ -412,6 +418,9 @@ export class QemuBackend implements VmBackend {
     return this.opts.swapMiB ?? 512;
   }
 }
+
+/** A slot's bytes beyond RAM and swap: device state, page headers, the workspace manifest. */
+const SLOT_OVERHEAD_MIB = 64;
 
 /** 20 ms steps an abandon waits for a SIGKILLed QEMU to exit (5 s in all). */
 const ABANDON_WAIT_STEPS = 250;
@@ -463,7 +472,12 @@ class QemuSandbox implements Sandbox {
       if (this.vm.running) await this.pullBack().catch(() => undefined);
       throw err;
     }
-    const pulled = await this.pullBack();
+    let pulled: Awaited<ReturnType<QemuSandbox['pullBack']>>;
+    try {
+      pulled = await this.pullBack();
+    } catch (err) {
+      throw new AfterRunError(err, value);
+    }
     return { value, pushedBytes, pulledBytes: pulled.bytes, ...(pulled.errors.length ? { syncErrors: pulled.errors } : {}), ...(pulled.errorsOmitted ? { syncErrorsOmitted: pulled.errorsOmitted } : {}) };
   }
 

@@ -21,6 +21,12 @@ export interface ReleaseInputs {
   meanIdleMs: number | undefined;
   /** Sequential write bandwidth the host gives snapshots, MiB/s. */
   diskMiBps: number;
+  /**
+   * The VM does not outlive this release (the broker is shutting down): a reclaimed VM
+   * would be stopped with its processes and its changes outside /work, so only a snapshot
+   * keeps them.
+   */
+  final?: boolean;
 }
 
 export interface ReleaseChoice {
@@ -45,6 +51,7 @@ const SNAPSHOT_BANDWIDTH_SHARE = 0.25;
 export function chooseRelease(policy: SandboxPolicy, x: ReleaseInputs): ReleaseChoice {
   const what = describe(x);
   if (policy.idlePolicy === 'kill') return { decision: 'kill', reason: `policy kill (${what})` };
+  if (x.final) return finalChoice(policy, x, what);
   if (policy.idlePolicy === 'snapshot') {
     if (x.canSuspend) return { decision: 'snapshot', reason: `policy snapshot (${what})` };
     return { decision: 'kill', reason: `policy snapshot, but this backend cannot snapshot (${what}); killed` };
@@ -76,6 +83,14 @@ function autoChoice(x: ReleaseInputs, prefix: string): ReleaseChoice {
   }
   if (reclaimFits) return { decision: 'reclaim', reason: `${prefix}${what}; this backend cannot snapshot, so the VM is kept and reclaimed` };
   return { decision: 'kill', reason: `${prefix}${what}; this backend can neither snapshot nor reclaim: killed, state outside the workspace is lost` };
+}
+
+/** The last release of a VM that is about to stop: snapshot whatever a kill would lose. */
+function finalChoice(policy: SandboxPolicy, x: ReleaseInputs, what: string): ReleaseChoice {
+  const keep = policy.idlePolicy === 'snapshot' || x.dirty || x.processes > 0;
+  if (!keep) return { decision: 'kill', reason: `nothing outside /work and /tmp changed and no process is alive; the host workspace is the whole state` };
+  if (x.canSuspend) return { decision: 'snapshot', reason: `${what}; the VM stops here, so a snapshot into a slot (a reclaimed VM would not survive)` };
+  return { decision: 'kill', reason: `${what}; the VM stops here and this backend cannot snapshot: state outside the workspace is lost` };
 }
 
 function describe(x: ReleaseInputs): string {

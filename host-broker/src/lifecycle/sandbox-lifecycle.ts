@@ -11,11 +11,14 @@ import { chooseRelease, type ReleaseDecision } from './release-policy.ts';
 import { HostChangeTracker, type HostChanges } from '../sync/host-changes.ts';
 import { SerialQueue } from '../util/serial-queue.ts';
 import { SnapshotSlots } from './snapshot-slots.ts';
+import type { SlotDiskBudget } from './slot-disk-budget.ts';
 
 export interface LifecycleOptions {
   policy: SandboxPolicy;
   /** Sequential write bandwidth snapshots get, MiB/s (the cost model's disk figure). */
   diskMiBps?: number;
+  /** The data dir's disk slots may take (none: unbounded). */
+  slotDisk?: SlotDiskBudget;
 }
 
 export type { ReleaseDecision } from './release-policy.ts';
@@ -73,7 +76,13 @@ export class SandboxLifecycle {
     private readonly opts: LifecycleOptions,
   ) {
     this.slots = new SnapshotSlots(spec.stateDir);
+    // Slots a session kept across a broker restart hold disk from the start.
+    opts.slotDisk?.set(spec.session, this.principal, this.slots.bytes());
     this.hostChanges = new HostChangeTracker(spec.workspaceDir, log);
+  }
+
+  private get principal(): string {
+    return this.spec.principal ?? '';
   }
 
   get live(): boolean {
@@ -152,7 +161,7 @@ export class SandboxLifecycle {
 
   /** Releases now (idle window over, or the harness says the agent is idle/compacting). */
   release(why: string): Promise<ReleaseRecord | undefined> {
-    return this.lock.run(() => this.releaseLocked(why));
+    return this.lock.run(() => this.releaseLocked(why, false));
   }
 
   /**
@@ -179,11 +188,14 @@ export class SandboxLifecycle {
       await settlesWithin(dropped, graceMs);
     }
     await this.hostChanges.close();
+    this.opts.slotDisk?.forget(this.spec.session);
   }
 
   /** Releases for a broker shutdown, in bounded time (a release that hangs is abandoned and the VM stopped). */
   async shutdownRelease(graceMs = SHUTDOWN_RELEASE_MS): Promise<void> {
-    const released = this.release('broker shutdown').catch((err: unknown) => this.log.warn('vm.release_failed', { error: (err as Error).message }));
+    // The VM stops after this release: one reclaimed earlier (or that the policy would
+    // reclaim now) is snapshotted, or its processes and home would die with it.
+    const released = this.lock.run(() => this.releaseLocked('broker shutdown', true)).catch((err: unknown) => this.log.warn('vm.release_failed', { error: (err as Error).message }));
     if (!(await settlesWithin(released, graceMs))) this.log.warn('vm.shutdown_release_abandoned', { graceMs });
     await this.close();
   }
@@ -282,9 +294,9 @@ export class SandboxLifecycle {
     throw new HutchError('guest_unresponsive', `waking the VM of session ${this.spec.session} took longer than ${limit} ms; it was stopped, the host workspace is unchanged`, { session: this.spec.session, limitMs: limit });
   }
 
-  private async releaseLocked(why: string): Promise<ReleaseRecord | undefined> {
+  private async releaseLocked(why: string, final: boolean): Promise<ReleaseRecord | undefined> {
     const sb = this.sandbox;
-    if (!sb || this.reclaimed) return undefined;
+    if (!sb || (this.reclaimed && !final)) return undefined;
     const t0 = performance.now();
     let record: ReleaseRecord;
     let keep = false;
@@ -300,14 +312,29 @@ export class SandboxLifecycle {
         budgetFreeMiB: this.admission.freeMiB,
         meanIdleMs: this.idlePeriods ? this.idleTotalMs / this.idlePeriods : undefined,
         diskMiBps: this.opts.diskMiBps ?? DEFAULT_DISK_MIBPS,
+        final,
       });
-      const reason = `${why}: ${choice.reason}`;
-      if (choice.decision === 'snapshot' && sb.suspend) {
+      let reason = `${why}: ${choice.reason}`;
+      let decision = choice.decision;
+      let grant = decision === 'snapshot' ? this.slotRoom(final) : undefined;
+      if (grant && 'refused' in grant) {
+        // No disk for a slot: keep the VM reclaimed (its memory is already reserved), which
+        // loses nothing; a VM that stops anyway has nowhere to keep its state.
+        this.log.warn('vm.slot_refused', { session: this.spec.session, principal: this.spec.principal, final, why: grant.refused });
+        decision = !final && sb.reclaim ? 'reclaim' : 'kill';
+        reason += `; no slot: ${grant.refused}, so ${decision === 'reclaim' ? 'the VM is kept and reclaimed' : 'it is stopped and its state outside the workspace is lost'}`;
+        grant = undefined;
+      }
+      if (decision === 'snapshot' && sb.suspend) {
         this.retiring = sb;
         const suspend = sb.suspend.bind(sb);
-        const slot = await this.slots.write(async (dir) => (await suspend(dir)).slot);
-        record = { decision: 'snapshot', reason: `${reason}; kept in slot ${slot.dir.slice(-1)}`, ms: performance.now() - t0, bytesWritten: dirSize(slot) };
-      } else if (choice.decision === 'reclaim' && sb.reclaim) {
+        try {
+          const slot = await this.slots.write(async (dir) => (await suspend(dir)).slot);
+          record = { decision: 'snapshot', reason: `${reason}; kept in slot ${slot.dir.slice(-1)}`, ms: performance.now() - t0, bytesWritten: dirSize(slot) };
+        } finally {
+          grant?.settle(this.slots.bytes());
+        }
+      } else if (decision === 'reclaim' && sb.reclaim) {
         const r = await sb.reclaim();
         keep = true;
         record = { decision: 'reclaim', reason: `${reason}; ${(r.reclaimedBytes / 1048576).toFixed(1)} MiB reclaimed`, ms: performance.now() - t0, bytesWritten: r.reclaimedBytes };
@@ -333,6 +360,14 @@ export class SandboxLifecycle {
     if (record.bytesWritten) this.metrics?.releaseBytes.inc({ decision: record.decision }, record.bytesWritten);
     this.log.info('vm.released', { ...record, ms: Math.round(record.ms) });
     return record;
+  }
+
+  /** Room on the data dir's disk for the slot a release is about to write (a grant, or why not). */
+  private slotRoom(final: boolean): ReturnType<SlotDiskBudget['reserve']> | undefined {
+    const budget = this.opts.slotDisk;
+    const max = this.backend.slotBytesMax?.({ memoryMiB: this.spec.memoryMiB });
+    if (!budget || max === undefined) return undefined;
+    return budget.reserve(this.spec.session, this.principal, max, this.slots.replacedBytes(), final);
   }
 
   private async drop(why: string): Promise<void> {

@@ -1,4 +1,4 @@
-import { existsSync, mkdirSync, readFileSync, renameSync, rmSync, writeFileSync, openSync, fsyncSync, closeSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, readdirSync, renameSync, rmSync, writeFileSync, openSync, fsyncSync, closeSync, lstatSync } from 'node:fs';
 import { join } from 'node:path';
 import type { SlotRef } from '../backends/backend.ts';
 import { SWAP_FILE } from '../vm/swap-disk.ts';
@@ -9,7 +9,8 @@ type SlotName = 'a' | 'b';
  * Two alternating snapshot slots per session. A new snapshot is written completely and
  * durably into the slot that is not current, and only then does `current` flip to it
  * (an atomic rename). A write that fails or is cut short leaves the last good slot, and
- * the pointer to it, untouched.
+ * the pointer to it, untouched. The older slot it replaces is removed before the write, so
+ * a session never holds more than two slots on disk.
  *
  *   <state>/slots/a/ , <state>/slots/b/    state.bin, manifest.json, swap.img, slot.json
  *   <state>/slots/current                   "a" or "b"
@@ -36,6 +37,16 @@ export class SnapshotSlots {
     return this.read(name === 'a' ? 'b' : 'a');
   }
 
+  /** Disk the slots take (allocated bytes: the state and swap files are sparse). */
+  bytes(): number {
+    return dirBytes(join(this.root, 'a')) + dirBytes(join(this.root, 'b'));
+  }
+
+  /** Disk the slot the next write replaces takes. */
+  replacedBytes(): number {
+    return dirBytes(join(this.root, this.currentName() === 'a' ? 'b' : 'a'));
+  }
+
   /**
    * Writes a snapshot with `write(dir)` into the non-current slot, then flips to it.
    * The callback must leave complete, fsynced files in `dir`.
@@ -44,7 +55,10 @@ export class SnapshotSlots {
     mkdirSync(this.root, { recursive: true });
     const target: SlotName = this.currentName() === 'a' ? 'b' : 'a';
     const tmp = join(this.root, `${target}.tmp`);
+    const final = join(this.root, target);
     rmSync(tmp, { recursive: true, force: true });
+    // The older fallback goes first: with it, a write would hold three slots' disk at its peak.
+    rmSync(final, { recursive: true, force: true });
     let ref: SlotRef;
     try {
       ref = await write(tmp);
@@ -54,8 +68,6 @@ export class SnapshotSlots {
       rmSync(tmp, { recursive: true, force: true });
       throw err;
     }
-    const final = join(this.root, target);
-    rmSync(final, { recursive: true, force: true });
     renameSync(tmp, final);
     fsyncPath(this.root);
     const ptrTmp = join(this.root, 'current.tmp');
@@ -93,6 +105,24 @@ export class SnapshotSlots {
       return undefined;
     }
   }
+}
+
+function dirBytes(dir: string): number {
+  let n = 0;
+  let names: string[];
+  try {
+    names = readdirSync(dir);
+  } catch {
+    return 0;
+  }
+  for (const name of names) {
+    try {
+      n += lstatSync(join(dir, name)).blocks * 512;
+    } catch {
+      // removed meanwhile
+    }
+  }
+  return n;
 }
 
 /** Makes a written file (or directory entry) durable before it is relied on. */

@@ -86,10 +86,14 @@ function ok(text: string, structured: Record<string, unknown>): CallToolResult {
 /** A failure as an MCP tool error: the typed code first, so an agent (or a test) can branch on it. */
 export function toolError(err: unknown): CallToolResult {
   const e = toHutchError(err);
+  // A command that ran before the call failed (its changes refused by the quota) still printed something.
+  const ran = e.context?.['result'] as { exitCode?: unknown; stdout?: unknown; stderr?: unknown } | undefined;
+  const out = ran && typeof ran.stdout === 'string' && typeof ran.stderr === 'string' ? { exitCode: ran.exitCode, stdout: ran.stdout, stderr: ran.stderr } : undefined;
+  const text = out ? [`${e.code}: ${e.message}`, out.stdout, out.stderr ? `[stderr]\n${out.stderr}` : '', `[exit ${String(out.exitCode)}]`].filter(Boolean).join('\n') : `${e.code}: ${e.message}`;
   return {
     isError: true,
-    content: [{ type: 'text', text: `${e.code}: ${e.message}` }],
-    structuredContent: { error: { code: e.code, message: e.message } },
+    content: [{ type: 'text', text }],
+    structuredContent: { error: { code: e.code, message: e.message, ...(out ? { result: out } : {}) } },
   };
 }
 

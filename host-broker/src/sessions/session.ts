@@ -7,7 +7,7 @@ import type { CallUsage } from '../../../guest-agent/src/protocol/methods-teleme
 import { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { FileTools } from '../../../guest-agent/src/workspace/file-tools.ts';
 import { type CallResult, type Route, type SessionInfo, type SessionTelemetry, type ToolName } from '../api/harness-protocol.ts';
-import type { SandboxSpec, SyncError, VmBackend, WakeInfo } from '../backends/backend.ts';
+import { AfterRunError, type SandboxSpec, type SyncError, type VmBackend, type WakeInfo } from '../backends/backend.ts';
 import type { Admission } from '../admission.ts';
 import type { BrokerMetrics } from '../metrics.ts';
 import { SandboxLifecycle } from '../lifecycle/sandbox-lifecycle.ts';
@@ -20,6 +20,7 @@ import { agentFileTools } from '../tools/agent-file-tools.ts';
 import type { SandboxPolicy } from '../policy/sandbox-policy.ts';
 import { memoryStepsFor } from '../policy/memory-policy.ts';
 import { DEFAULT_QUOTA, WorkspaceQuota, type QuotaLimits } from './workspace-quota.ts';
+import type { SlotDiskBudget } from '../lifecycle/slot-disk-budget.ts';
 import type { ByteBudget } from '../util/byte-budget.ts';
 
 export interface SessionMeta {
@@ -60,6 +61,8 @@ export interface SessionDeps {
   quota?: QuotaLimits;
   /** File bytes the in-process read and edit may hold at once, broker-wide and per principal. */
   fileBytes?: ByteBudget;
+  /** The data dir's disk the snapshot slots may take. */
+  slotDisk?: SlotDiskBudget;
 }
 
 /** How long an in-process read or edit waits for room in `fileBytes` before it fails busy. */
@@ -110,7 +113,7 @@ export class Session {
     // A pull the broker was killed in the middle of is finished (committed) or dropped (not) before anything reads the workspace.
     const recovered = recoverPullJournal(workspaceDir, stateDir);
     if (recovered.replayed || recovered.discarded) this.log.warn('sync.pull_recovered', { ...recovered, errors: recovered.errors.slice(0, 5) });
-    this.vm = new SandboxLifecycle(this.spec(), deps.backend, deps.admission, deps.metrics, this.log, { policy: deps.policy });
+    this.vm = new SandboxLifecycle(this.spec(), deps.backend, deps.admission, deps.metrics, this.log, { policy: deps.policy, ...(deps.slotDisk ? { slotDisk: deps.slotDisk } : {}) });
   }
 
   get id(): string {
@@ -267,6 +270,16 @@ export class Session {
     const out = new OutputCollector(maxOutputBytes, sinks.onStdout);
     const err = new OutputCollector(maxOutputBytes, sinks.onStderr);
     const stdin = typeof a.stdin === 'string' ? Buffer.from(a.stdin) : a.stdin;
+    const result = (x: ExecResult) => ({
+      exitCode: x.exitCode,
+      signal: x.signal,
+      timedOut: x.timedOut,
+      stdout: out.text(),
+      stderr: err.text(),
+      stdoutBytes: x.stdout.bytes,
+      stderrBytes: x.stderr.bytes,
+      truncated: out.truncated || err.truncated,
+    });
     const common = {
       command: a.command,
       env: a.env ?? {},
@@ -318,13 +331,16 @@ export class Session {
         syncErrorsOmitted = out.value.syncErrorsOmitted;
       }
     } catch (e) {
-      throw over.signal.aborted ? over.signal.reason : e;
+      if (over.signal.aborted) throw over.signal.reason;
+      // The command ran but its changes could not come back: the error says why, and the
+      // command's result goes with it (a caller that does not stream would lose it otherwise).
+      throw e instanceof AfterRunError ? withResult(e, result(e.value as ExecResult)) : e;
     } finally {
       unwatch();
       if (mayWrite) this.quota.stale();
     }
     if (over.signal.aborted) throw over.signal.reason;
-    if (mayWrite) await this.quota.afterRun(before, decision.route, decision.route === 'vm' && !onHost);
+    if (mayWrite) await this.quota.afterRun(before, decision.route, decision.route === 'vm' && !onHost).catch((e: unknown) => Promise.reject(withResult(e, result(r))));
     return {
       route: decision.route,
       reason: decision.reason,
@@ -336,16 +352,7 @@ export class Session {
       usage: r.usage,
       syncErrors,
       syncErrorsOmitted,
-      result: {
-        exitCode: r.exitCode,
-        signal: r.signal,
-        timedOut: r.timedOut,
-        stdout: out.text(),
-        stderr: err.text(),
-        stdoutBytes: r.stdout.bytes,
-        stderrBytes: r.stderr.bytes,
-        truncated: out.truncated || err.truncated,
-      },
+      result: result(r),
     };
   }
 
@@ -366,6 +373,12 @@ interface Dispatched {
   usage?: CallUsage | undefined;
   syncErrors?: SyncError[] | undefined;
   syncErrorsOmitted?: number | undefined;
+}
+
+/** An error raised after a command ran (its changes refused by the quota, say), with the command's result in `context.result`. */
+function withResult(e: unknown, result: Record<string, unknown>): unknown {
+  if (!(e instanceof HutchError)) return e;
+  return new HutchError(e.code, `${e.message} (the command itself ran: its exit code and output are in the error's context.result)`, { ...e.context, result }, { cause: e });
 }
 
 /** Keeps the first `cap` bytes of a stream for the result while forwarding every chunk. */
