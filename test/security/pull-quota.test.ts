@@ -110,4 +110,28 @@ describe('a pull stages at most the workspace quota', () => {
     expect(ok.stats.deleted).toBe(1);
     expect(readdirSync(host).length).toBe(12);
   });
+
+  it('a compromised agent sending deletion records without end is stopped at what /work can hold, nothing applied', async () => {
+    const { host, state, mirror } = await started();
+    // Not our agent: a stand-in for one a guest kernel exploit took over, speaking the same
+    // sync.changes records. An honest agent reports at most the entries its marker held.
+    let sent = 0;
+    const hostile = {
+      connection: { isOpen: true },
+      syncChanges: async (_p: unknown, onBatch: (b: { changes: unknown[]; skipped: unknown[] }) => Promise<void>) => {
+        for (let b = 0; b < 1000; b++) {
+          const changes = Array.from({ length: 1000 }, () => ({ path: Buffer.from(`gone/${'x'.repeat(200)}${sent++}`), kind: 'deleted' }));
+          await onBatch({ changes, skipped: [] });
+        }
+        return { marker: 'never' };
+      },
+    } as unknown as Parameters<WorkspaceMirror['pull']>[0];
+    const err = await mirror.pull(hostile, 'm', 64 * MiB, { quota: { bytes: 2 * MiB, files: 5000 } }).catch((e: unknown) => e);
+    expect(err).toMatchObject({ code: 'quota_exceeded', context: { limit: 'files', quota: 5000 } });
+    expect(String((err as Error).message)).toMatch(/more than 6024 deletions/);
+    // Refused at the first record past the bound, not after a million.
+    expect(sent).toBeLessThan(8000);
+    expect(readdirSync(host)).toEqual(['keep.txt']);
+    expect(readdirSync(state, { recursive: true })).toEqual([]);
+  });
 });

@@ -260,6 +260,7 @@ export class WorkspaceMirror {
     await this.guardEntry(agent, e, errors, async () => {
       switch (e.kind) {
         case 'deleted':
+          budget.deletion(e);
           stage.delete(e.path);
           counts.deleted++;
           return;
@@ -445,9 +446,13 @@ const BLOCK = 4096;
  * Everything staged ends in the tree the pull commits, so staging beyond the quota is
  * never a workspace within it: the pull fails whole, typed, and the guest keeps its changes.
  */
+/** Deletions a pull may report beyond the entry quota (the quota counts what the host holds, the guest's marker may differ by a few). */
+const DELETION_SLACK = 1024;
+
 class PullBudget {
   private bytes = 0;
   private entries = 0;
+  private deletions = 0;
 
   constructor(private readonly quota: { bytes: number; files: number } | undefined) {}
 
@@ -458,6 +463,22 @@ class PullBudget {
     this.bytes += bytes;
     if (this.entries > this.quota.files) throw this.over(e, 'files');
     if (this.bytes > this.quota.bytes) throw this.over(e, 'bytes');
+  }
+
+  /**
+   * Counts a deletion. An honest agent reports at most what its marker held, which /work's
+   * inode limit keeps within the entry quota; a compromised one could send deletion records
+   * without end, each kept in the stage's memory until the pull ends.
+   */
+  deletion(e: { path: Uint8Array }): void {
+    if (!this.quota) return;
+    if (++this.deletions > this.quota.files + DELETION_SLACK) {
+      throw new HutchError('quota_exceeded', `the guest reported more than ${this.quota.files + DELETION_SLACK} deletions in one pull, more than its /work can hold entries (at ${nameFromBytes(e.path)}); nothing was carried back`, {
+        limit: 'files',
+        quota: this.quota.files,
+        path: nameFromBytes(e.path),
+      });
+    }
   }
 
   /** Counts a file's content as the host allocates it. */
