@@ -4,6 +4,7 @@ import { StringDecoder } from 'node:string_decoder';
 import { Packr } from 'msgpackr';
 import type { z } from 'zod';
 import type { SignalSchema } from '../../../guest-agent/src/protocol/methods.ts';
+import { ReceiveBudget } from './receive-budget.ts';
 import { WebSocketServer, type WebSocket, type RawData } from 'ws';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
@@ -60,6 +61,14 @@ export interface WsLimits {
   streamIdleMs: number;
   /** Largest streamed file (also capped by the session's workspace quota). */
   maxStreamedFileBytes: number;
+  /**
+   * What one principal's messages may hold in the broker: messages arriving (past it, its
+   * other connections wait while one finishes) plus requests not yet answered (past it, a
+   * large request is answered busy). See receive-budget.ts.
+   */
+  principalReceiveBytes: number;
+  /** Requests not yet answered, all principals together (past it, a large request is answered busy). */
+  receiveTotalBytes: number;
 }
 
 export const DEFAULT_WS_LIMITS: WsLimits = {
@@ -72,6 +81,8 @@ export const DEFAULT_WS_LIMITS: WsLimits = {
   streamWindowBytes: 8 * 1024 * 1024,
   streamIdleMs: 60_000,
   maxStreamedFileBytes: 4 * 1024 * 1024 * 1024,
+  principalReceiveBytes: 256 * 1024 * 1024,
+  receiveTotalBytes: 1024 * 1024 * 1024,
 };
 
 export interface WsServerOptions {
@@ -115,9 +126,12 @@ export class WsServer {
   private readonly perPrincipal = new Map<string, number>();
   private readonly principalOf = new WeakMap<IncomingMessage, string>();
   private connectionSeq = 0;
+  /** Bytes each principal's messages hold (arriving, and received but not answered). */
+  readonly receive: ReceiveBudget;
 
   constructor(private readonly opts: WsServerOptions) {
     this.limits = { ...DEFAULT_WS_LIMITS, ...opts.limits };
+    this.receive = new ReceiveBudget(this.limits.principalReceiveBytes, this.limits.receiveTotalBytes);
     this.http = createServer((req, res) => void this.onHttp(req, res));
     // Node's own request timers as a second line (its checker runs on an interval).
     this.http.headersTimeout = this.limits.handshakeTimeoutMs;
@@ -253,7 +267,34 @@ export class WsServer {
     };
     send({ t: 'hello', v: HARNESS_API_VERSION, broker: 'hutch', principal, ...this.opts.hello, limits: { ...(this.opts.hello['limits'] as object | undefined), ...this.limits } }, false);
 
+    // Two reasons to stop reading this socket (too many unfinished requests; the principal's
+    // messages over its share): it reads again only when neither holds.
+    const paused = { inflight: false, budget: false };
+    const applyPause = () => {
+      if (paused.inflight || paused.budget) {
+        if (!ws.isPaused) ws.pause();
+      } else if (ws.isPaused) ws.resume();
+    };
+    // A message is buffered whole by ws before 'message': what was read since the last one is
+    // the message arriving now (within a chunk of it).
+    let readAtMessage = req.socket.bytesRead;
+    const receiving = this.receive.join(principal, {
+      pending: () => req.socket.bytesRead - readAtMessage,
+      pause: () => {
+        paused.budget = true;
+        applyPause();
+      },
+      resume: () => {
+        paused.budget = false;
+        applyPause();
+      },
+    });
+    req.socket.on('data', () => receiving.onData());
+
     ws.on('message', (data: RawData, isBinary: boolean) => {
+      readAtMessage = req.socket.bytesRead;
+      receiving.onMessage();
+      const size = Array.isArray(data) ? data.reduce((n, b) => n + b.length, 0) : (data as ArrayBuffer).byteLength;
       let msg: unknown;
       try {
         const buf = Array.isArray(data) ? Buffer.concat(data) : Buffer.from(data as ArrayBuffer);
@@ -278,6 +319,13 @@ export class WsServer {
         send({ t: 'res', id, e: new HutchError('bad_request', `request id ${id} is already in flight`).toWire() }, isBinary);
         return;
       }
+      const held = this.receive.admit(principal, size);
+      if (!held) {
+        log.warn('ws.receive_budget', { op, bytes: size, held: this.receive.heldBytes(principal) });
+        const msg = `principal ${principal}'s requests already hold ${this.receive.heldBytes(principal)} bytes in the broker (its share is ${this.limits.principalReceiveBytes}, ${this.limits.receiveTotalBytes} in all); this ${size}-byte request was dropped: retry once some are answered (large files go best by upload streams)`;
+        send({ t: 'res', id, e: new HutchError('busy', msg, { bytes: size, limit: 'receive' }).toWire() }, isBinary);
+        return;
+      }
       const ac = new AbortController();
       inflight.set(id, ac);
       this.inflightTotal++;
@@ -286,9 +334,10 @@ export class WsServer {
       const text = isBinary ? undefined : { 1: new StringDecoder('utf8'), 2: new StringDecoder('utf8') };
       // Back-pressure: stop reading this socket while it has many unfinished requests (its
       // sender then waits on TCP), so its traffic queues there, not in the broker.
-      if (inflight.size >= maxInflight && !ws.isPaused) {
+      if (inflight.size >= maxInflight && !paused.inflight) {
         log.debug('ws.paused', { inflight: inflight.size });
-        ws.pause();
+        paused.inflight = true;
+        applyPause();
       }
       const ctx: OpContext = {
         id,
@@ -323,10 +372,15 @@ export class WsServer {
         inflight.delete(id);
         this.inflightTotal--;
         signallers.delete(id);
-        if (ws.isPaused && inflight.size <= maxInflight / 2) ws.resume();
+        held();
+        if (paused.inflight && inflight.size <= maxInflight / 2) {
+          paused.inflight = false;
+          applyPause();
+        }
       });
     });
     ws.on('close', () => {
+      receiving.leave();
       const left = (this.perPrincipal.get(principal) ?? 1) - 1;
       if (left > 0) this.perPrincipal.set(principal, left);
       else this.perPrincipal.delete(principal);
