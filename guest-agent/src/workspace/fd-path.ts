@@ -154,9 +154,23 @@ export interface DirName {
   type: 'file' | 'dir' | 'symlink' | 'other';
 }
 
-/** Names in a held directory, raw bytes, with their d_type. */
-export function readDirAt(dirFd: number): Promise<DirName[]> {
-  return fsp.readdir(at(dirFd), { withFileTypes: true, encoding: 'buffer' }).then(direntNames);
+/** A directory larger than this (st_size, which grows with its entries on ext4, tmpfs, btrfs, xfs) is read in batches. */
+const BATCHED_DIR_BYTES = 256 * 1024;
+/** Entries per batch of a large directory: a few milliseconds of the loop each. */
+const DIR_BATCH = 1024;
+
+/**
+ * Names in a held directory, raw bytes, with their d_type. One readdir builds every entry's
+ * object on the loop in one go when it returns: a 200,000-entry directory held the loop for
+ * 300-400 ms (every session waiting), so a large one is read in batches instead (each its
+ * own thread-pool read, the loop free in between; about the same time in all).
+ */
+export async function readDirAt(dirFd: number): Promise<DirName[]> {
+  if (fstatSync(dirFd).size <= BATCHED_DIR_BYTES) return direntNames(await fsp.readdir(at(dirFd), { withFileTypes: true, encoding: 'buffer' }));
+  const out: DirName[] = [];
+  const dir = await fsp.opendir(at(dirFd) as unknown as string, { encoding: 'buffer' as BufferEncoding, bufferSize: DIR_BATCH });
+  for await (const d of dir) out.push(direntName(d as unknown as Dirent<Buffer>));
+  return out;
 }
 
 /**
@@ -170,10 +184,11 @@ export function readDirAtSync(dirFd: number): DirName[] {
 }
 
 function direntNames(ds: Array<Dirent<Buffer>>): DirName[] {
-  return ds.map((d) => ({
-    name: d.name,
-    type: d.isFile() ? 'file' : d.isDirectory() ? 'dir' : d.isSymbolicLink() ? 'symlink' : 'other',
-  }));
+  return ds.map(direntName);
+}
+
+function direntName(d: Dirent<Buffer>): DirName {
+  return { name: d.name, type: d.isFile() ? 'file' : d.isDirectory() ? 'dir' : d.isSymbolicLink() ? 'symlink' : 'other' };
 }
 
 /** Raw names joined with `/`. */

@@ -166,7 +166,7 @@ async function* listDir(frame: Frame, opts: WalkOptions, maxPath: number): Async
     if (isFdExhaustion(err)) throw err;
     return; // unreadable: skip, as find does
   }
-  for (const d of byName(entries)) {
+  for (const d of await nameOrder(entries, opts.tick)) {
     if (opts.tick) await opts.tick();
     const nameStr = nameFromBytes(d.name);
     if (isAtomicTempName(nameStr)) continue;
@@ -201,9 +201,49 @@ async function* listDir(frame: Frame, opts: WalkOptions, maxPath: number): Async
  * tools spend on its event loop and the guest's scan under emulation.
  */
 function byName<T extends { name: Buffer }>(entries: T[]): T[] {
+  return sortedRun(entries).map((x) => x.d);
+}
+
+function sortedRun<T extends { name: Buffer }>(entries: T[]): Array<{ d: T; k: string }> {
   const keyed = entries.map((d) => ({ d, k: d.name.toString('latin1') }));
   keyed.sort((a, b) => (a.k < b.k ? -1 : a.k > b.k ? 1 : 0));
-  return keyed.map((x) => x.d);
+  return keyed;
+}
+
+/** Entries sorted in one go at most; a larger directory is sorted in runs of this many and merged. */
+const SORT_RUN = 16384;
+
+/**
+ * byName for a directory of any size without holding the loop: sorting 200,000 names took
+ * 50-150 ms in one block. A large directory is sorted in runs, with `tick` between them,
+ * and merged lazily as the walk takes its entries (the walk ticks per entry).
+ */
+async function nameOrder<T extends { name: Buffer }>(entries: T[], tick: (() => Promise<void>) | undefined): Promise<Iterable<T>> {
+  if (entries.length <= SORT_RUN) return byName(entries);
+  const runs: Array<Array<{ d: T; k: string }>> = [];
+  for (let i = 0; i < entries.length; i += SORT_RUN) {
+    runs.push(sortedRun(entries.slice(i, i + SORT_RUN)));
+    if (tick) await tick();
+  }
+  return mergeRuns(runs);
+}
+
+/** The runs' entries in key order (names in a directory are unique: no ties). A scan of the run heads: a few dozen runs at most. */
+function* mergeRuns<T>(runs: Array<Array<{ d: T; k: string }>>): Generator<T> {
+  const at = runs.map(() => 0);
+  for (;;) {
+    let best = -1;
+    let key = '';
+    for (let r = 0; r < runs.length; r++) {
+      const x = (runs[r] as Array<{ d: T; k: string }>)[at[r] as number];
+      if (x && (best < 0 || x.k < key)) {
+        best = r;
+        key = x.k;
+      }
+    }
+    if (best < 0) return;
+    yield ((runs[best] as Array<{ d: T; k: string }>)[(at[best] as number)++] as { d: T }).d;
+  }
 }
 
 /** Opens a subdirectory from its parent's fd; undefined if it vanished or is no longer a directory. */

@@ -1,9 +1,9 @@
 import { performance } from 'node:perf_hooks';
-import { setImmediate as yieldToLoop } from 'node:timers/promises';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { lstatAt } from '../../../guest-agent/src/workspace/fd-path.ts';
 import type { PlannedGrowth } from '../../../guest-agent/src/workspace/file-tools.ts';
 import { walk } from '../../../guest-agent/src/workspace/walk.ts';
+import { LoopSlicer } from '../../../guest-agent/src/workspace/work-budget.ts';
 
 /** A session's workspace quota: allocated bytes and entries (files, directories, symlinks). */
 export interface QuotaLimits {
@@ -19,8 +19,6 @@ export const DEFAULT_QUOTA: QuotaLimits = { bytes: 2 * 1024 * 1024 * 1024, files
 
 /** Allocation unit assumed for a planned write (ext4's and tmpfs's page-sized blocks); the next measure corrects it. */
 const BLOCK = 4096;
-/** Entries measured between yields to the event loop: a 200,000-entry walk must not stall other sessions. */
-const YIELD_EVERY = 2048;
 /** First look at a running fast-path command's usage (most commands are done by then: no cost). */
 const WATCH_MIN_MS = 500;
 
@@ -41,13 +39,14 @@ export async function measureWorkspace(dir: string): Promise<Usage> {
     bytes += st.blocks * 512;
     files++;
   };
-  for await (const e of walk(dir, { beyond })) {
+  // A 200,000-entry walk must not stall other sessions: it yields every few milliseconds.
+  const slicer = new LoopSlicer();
+  for await (const e of walk(dir, { beyond, tick: () => slicer.tick() })) {
     const st = lstatAt(e.dirFd, e.name);
     if (!st) continue; // gone since it was listed
     bytes += st.blocks * 512;
     files++;
     if (st.isFile() && st.size > (largest?.size ?? 0)) largest = { path: e.rel, size: st.size };
-    if (files % YIELD_EVERY === 0) await yieldToLoop();
   }
   return { bytes, files, ...(largest ? { largest } : {}) };
 }

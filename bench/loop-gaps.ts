@@ -1,0 +1,84 @@
+/**
+ * What a tenant's wide directory costs the broker's event loop (every session's calls wait
+ * while it is held): one directory of N empty files (default 100,000; the entry quota allows
+ * 200,000), walked the ways the broker walks a host workspace.
+ *   worst_gap_ms   per walker, the longest the loop went without a turn (median of rounds):
+ *                  scan (the push's manifest scan), measure (the quota), list, glob
+ *   total_ms       per walker, how long the whole walk took (median)
+ *   baseline_worst_gap_ms  the same directory through the previous ways: one readdir of the
+ *                  whole directory (`readdir`), and the scan's walk without yielding between
+ *                  entries (`unsliced_scan`)
+ * Raw per-round numbers are kept in the raw line.
+ */
+import { closeSync, mkdirSync, mkdtempSync, openSync, rmSync } from 'node:fs';
+import { promises as fsp } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { Workspace } from '../guest-agent/src/workspace/confine.ts';
+import { FileTools } from '../guest-agent/src/workspace/file-tools.ts';
+import { walk } from '../guest-agent/src/workspace/walk.ts';
+import { lstatAt } from '../guest-agent/src/workspace/fd-path.ts';
+import { scanTree } from '../host-broker/src/sync/manifest.ts';
+import { measureWorkspace } from '../host-broker/src/sessions/workspace-quota.ts';
+import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
+
+const args = benchArgs();
+const quick = args.argv.includes('--quick');
+const N = quick ? 30_000 : 100_000;
+const ROUNDS = quick ? 2 : 3;
+
+const root = mkdtempSync(join(tmpdir(), 'hutch-bench-gaps-'));
+process.on('exit', () => rmSync(root, { recursive: true, force: true }));
+const wide = join(root, 'wide');
+mkdirSync(wide);
+process.stderr.write(`making ${N} files in one directory...\n`);
+for (let i = 0; i < N; i++) closeSync(openSync(join(wide, `f${((i * 7919) % N).toString(36)}`), 'w'));
+
+/** Runs `fn` while a 1 ms interval watches the loop: its worst gap and the run's time. */
+async function watched(fn: () => Promise<unknown>): Promise<{ gap: number; ms: number }> {
+  await new Promise((r) => setTimeout(r, 50));
+  let last = performance.now();
+  let gap = 0;
+  const t = setInterval(() => {
+    const now = performance.now();
+    gap = Math.max(gap, now - last);
+    last = now;
+  }, 1);
+  const t0 = performance.now();
+  await fn();
+  const ms = performance.now() - t0;
+  // The interval's next turn closes the last gap (a block at the very end counts too).
+  await new Promise((r) => setTimeout(r, 20));
+  clearInterval(t);
+  return { gap, ms };
+}
+
+const tools = new FileTools(new Workspace(root));
+const walkers: Record<string, () => Promise<unknown>> = {
+  scan: () => scanTree(root),
+  measure: () => measureWorkspace(root),
+  list: () => tools.list({ path: 'wide' }),
+  glob: () => tools.glob({ pattern: '**/f1*' }),
+};
+const baselines: Record<string, () => Promise<unknown>> = {
+  readdir: () => fsp.readdir(wide, { withFileTypes: true, encoding: 'buffer' }),
+  unsliced_scan: async () => {
+    for await (const e of walk(root)) lstatAt(e.dirFd, e.name);
+  },
+};
+
+const raw: Record<string, Array<{ gap: number; ms: number }>> = {};
+for (let r = 0; r < ROUNDS; r++) {
+  for (const [name, fn] of [...Object.entries(walkers), ...Object.entries(baselines)]) {
+    const m = await watched(fn);
+    (raw[name] ??= []).push({ gap: round(m.gap, 1), ms: round(m.ms, 1) });
+  }
+}
+const gapOf = (k: string) => round(median((raw[k] ?? []).map((x) => x.gap)), 1);
+const msOf = (k: string) => round(median((raw[k] ?? []).map((x) => x.ms)), 1);
+const worst = Object.fromEntries(Object.keys(walkers).map((k) => [k, gapOf(k)]));
+const total = Object.fromEntries(Object.keys(walkers).map((k) => [k, msOf(k)]));
+const baseline = Object.fromEntries(Object.keys(baselines).map((k) => [k, gapOf(k)]));
+const rows = [...Object.keys(walkers), ...Object.keys(baselines)].map((k) => ({ walker: k, baseline: k in baselines, worst_gap_ms: gapOf(k), total_ms: msOf(k) }));
+emit(`Broker event loop on a directory of ${N} entries`, markdownTable(rows), { entries: N, worst_gap_ms: worst, total_ms: total, baseline_worst_gap_ms: baseline, rounds: ROUNDS }, args.json ? raw : undefined);
