@@ -3,7 +3,8 @@
  * while it is held): one directory of N empty files (default 100,000; the entry quota allows
  * 200,000), walked the ways the broker walks a host workspace.
  *   worst_gap_ms   per walker, the longest the loop went without a turn (median of rounds):
- *                  scan (the push's manifest scan), measure (the quota), list, glob
+ *                  scan (the push's manifest scan), diff (the push's diff of that scan against
+ *                  an empty guest: a fresh VM), measure (the quota), list, glob
  *   total_ms       per walker, how long the whole walk took (median)
  *   baseline_worst_gap_ms  the same directory through the previous ways: one readdir of the
  *                  whole directory (`readdir`), and the scan's walk without yielding between
@@ -19,7 +20,7 @@ import { Workspace } from '../guest-agent/src/workspace/confine.ts';
 import { FileTools } from '../guest-agent/src/workspace/file-tools.ts';
 import { walk } from '../guest-agent/src/workspace/walk.ts';
 import { lstatAt } from '../guest-agent/src/workspace/fd-path.ts';
-import { scanTree } from '../host-broker/src/sync/manifest.ts';
+import { diffManifests, scanTree } from '../host-broker/src/sync/manifest.ts';
 import { measureWorkspace } from '../host-broker/src/sessions/workspace-quota.ts';
 import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
 
@@ -55,8 +56,10 @@ async function watched(fn: () => Promise<unknown>): Promise<{ gap: number; ms: n
 }
 
 const tools = new FileTools(new Workspace(root));
+const scanned = await scanTree(root);
 const walkers: Record<string, () => Promise<unknown>> = {
   scan: () => scanTree(root),
+  diff: () => diffManifests(scanned, new Map()),
   measure: () => measureWorkspace(root),
   list: () => tools.list({ path: 'wide' }),
   glob: () => tools.glob({ pattern: '**/f1*' }),

@@ -3,6 +3,7 @@ import { HutchError } from '../protocol/errors.ts';
 import { isAtomicTempName } from './atomic-write.ts';
 import { assertProcfs, at, closeQuietly, joinNames, openDirAt, readDirAt, readDirAtSync } from './fd-path.ts';
 import { nameFromBytes, WORKSPACE_PATH_MAX_BYTES } from './names.ts';
+import { sortSliced } from './sliced-sort.ts';
 
 export type WalkType = 'file' | 'dir' | 'symlink' | 'other';
 export interface WalkEntry {
@@ -198,52 +199,11 @@ async function* listDir(frame: Frame, opts: WalkOptions, maxPath: number): Async
  * Entries in byte order of their names. Compared as latin1 strings (one code unit per byte,
  * so the same order as Buffer.compare) instead of one Buffer.compare call per comparison:
  * half the time on a wide directory (200,000 names: 125 against 265 ms), which the broker's
- * tools spend on its event loop and the guest's scan under emulation.
+ * tools spend on its event loop and the guest's scan under emulation. A wide directory is
+ * sorted in runs between ticks (sliced-sort.ts): the walk ticks per entry as it takes them.
  */
-function byName<T extends { name: Buffer }>(entries: T[]): T[] {
-  return sortedRun(entries).map((x) => x.d);
-}
-
-function sortedRun<T extends { name: Buffer }>(entries: T[]): Array<{ d: T; k: string }> {
-  const keyed = entries.map((d) => ({ d, k: d.name.toString('latin1') }));
-  keyed.sort((a, b) => (a.k < b.k ? -1 : a.k > b.k ? 1 : 0));
-  return keyed;
-}
-
-/** Entries sorted in one go at most; a larger directory is sorted in runs of this many and merged. */
-const SORT_RUN = 16384;
-
-/**
- * byName for a directory of any size without holding the loop: sorting 200,000 names took
- * 50-150 ms in one block. A large directory is sorted in runs, with `tick` between them,
- * and merged lazily as the walk takes its entries (the walk ticks per entry).
- */
-async function nameOrder<T extends { name: Buffer }>(entries: T[], tick: (() => Promise<void>) | undefined): Promise<Iterable<T>> {
-  if (entries.length <= SORT_RUN) return byName(entries);
-  const runs: Array<Array<{ d: T; k: string }>> = [];
-  for (let i = 0; i < entries.length; i += SORT_RUN) {
-    runs.push(sortedRun(entries.slice(i, i + SORT_RUN)));
-    if (tick) await tick();
-  }
-  return mergeRuns(runs);
-}
-
-/** The runs' entries in key order (names in a directory are unique: no ties). A scan of the run heads: a few dozen runs at most. */
-function* mergeRuns<T>(runs: Array<Array<{ d: T; k: string }>>): Generator<T> {
-  const at = runs.map(() => 0);
-  for (;;) {
-    let best = -1;
-    let key = '';
-    for (let r = 0; r < runs.length; r++) {
-      const x = (runs[r] as Array<{ d: T; k: string }>)[at[r] as number];
-      if (x && (best < 0 || x.k < key)) {
-        best = r;
-        key = x.k;
-      }
-    }
-    if (best < 0) return;
-    yield ((runs[best] as Array<{ d: T; k: string }>)[(at[best] as number)++] as { d: T }).d;
-  }
+function nameOrder<T extends { name: Buffer }>(entries: T[], tick: (() => Promise<void>) | undefined): Promise<Iterable<T>> {
+  return sortSliced(entries, (d) => d.name.toString('latin1'), tick);
 }
 
 /** Opens a subdirectory from its parent's fd; undefined if it vanished or is no longer a directory. */

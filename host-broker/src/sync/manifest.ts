@@ -2,6 +2,7 @@ import { lstatSync, readlinkSync } from 'node:fs';
 import { at } from '../../../guest-agent/src/workspace/fd-path.ts';
 import { walk } from '../../../guest-agent/src/workspace/walk.ts';
 import { LoopSlicer } from '../../../guest-agent/src/workspace/work-budget.ts';
+import { sortSliced } from '../../../guest-agent/src/workspace/sliced-sort.ts';
 import { nameFromBytes, nameToBytes } from '../../../guest-agent/src/workspace/names.ts';
 
 /**
@@ -74,18 +75,39 @@ export function sameEntry(a: ManifestEntry, b: ManifestEntry): boolean {
   return true;
 }
 
-/** Paths to (re)write, parents first, and paths to delete, deepest first, to turn `to` into `from`. */
-export function diffManifests(from: Manifest, to: Manifest): { write: string[]; remove: string[] } {
+/**
+ * Paths to (re)write, parents first, and paths to delete, deepest first, to turn `to` into
+ * `from`. Sliced (a LoopSlicer every TICK_EVERY entries, sorts in runs): a fresh push of a
+ * 200,000-entry workspace held the broker's loop 200-340 ms here in one block.
+ */
+export async function diffManifests(from: Manifest, to: Manifest): Promise<{ write: string[]; remove: string[] }> {
+  const slicer = new LoopSlicer();
+  const tick = () => slicer.tick();
+  let n = 0;
   const write: string[] = [];
   const remove: string[] = [];
   for (const [p, e] of from) {
+    if (++n % TICK_EVERY === 0) await tick();
     const t = to.get(p);
     if (!t || !sameEntry(e, t)) write.push(p);
   }
-  for (const p of to.keys()) if (!from.has(p) && !hasMissingAncestor(p, from, to)) remove.push(p);
-  write.sort();
-  remove.sort().reverse();
-  return { write, remove };
+  for (const p of to.keys()) {
+    if (++n % TICK_EVERY === 0) await tick();
+    if (!from.has(p) && !hasMissingAncestor(p, from, to)) remove.push(p);
+  }
+  return { write: await sortedList(write, tick), remove: (await sortedList(remove, tick)).reverse() };
+}
+
+/** Entries between ticks in the manifest's loops: a tick costs a promise, an entry far less. */
+const TICK_EVERY = 256;
+
+async function sortedList(paths: string[], tick: () => Promise<void>): Promise<string[]> {
+  const out: string[] = [];
+  for (const p of await sortSliced(paths, (x) => x, tick)) {
+    out.push(p);
+    if (out.length % TICK_EVERY === 0) await tick();
+  }
+  return out;
 }
 
 function hasMissingAncestor(p: string, from: Manifest, to: Manifest): boolean {

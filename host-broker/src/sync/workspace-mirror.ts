@@ -154,7 +154,7 @@ export class WorkspaceMirror {
       guestSubset = new Map();
       for (const p of onlyList) await this.scanPath(p, host, guestSubset, before);
     } else host = await scanTree(this.hostWs.root);
-    const diff = diffManifests(host, guestSubset);
+    const diff = await diffManifests(host, guestSubset);
     const remove = diff.remove;
     // A host path no sync path can carry, or the host cannot open by its path: the guest
     // never sees it (a scan does not list those; a watcher's path can name one).
