@@ -42,4 +42,27 @@ describe('file bytes the in-process tools hold at once', () => {
     expect(b.broker.fileBytes.inUse).toBe(0);
     for (const sb of sessions) await sb.close();
   }, 120_000);
+
+  it('six concurrent greps over 60 MB files hold at most the share while they wait for a worker, find their matches, and give the room back', async () => {
+    const sessions = [];
+    for (let i = 0; i < 6; i++) {
+      const sb = await hutch.create({});
+      const ws = join(b.dataDir, 'sessions', sb.id, 'workspace');
+      writeFileSync(join(ws, 'big.txt'), `${'y'.repeat(99)}\n`.repeat(600_000) + `needle ${i}\n`);
+      writeFileSync(join(ws, 'small.txt'), `needle small ${i}\n`);
+      sessions.push(sb);
+    }
+    let peak = 0;
+    const sample = setInterval(() => (peak = Math.max(peak, b.broker.fileBytes.inUse)), 1);
+    const found = await Promise.all(sessions.map((sb) => sb.call('grep', { pattern: 'needle' })));
+    clearInterval(sample);
+    for (const [i, r] of found.entries()) {
+      const matches = (r.result as { matches: Array<{ path: string; text: string }> }).matches.map((m) => `${m.path}: ${m.text}`).sort();
+      expect(matches).toEqual([`big.txt: needle ${i}`, `small.txt: needle small ${i}`]);
+    }
+    expect(peak).toBeGreaterThan(0);
+    expect(peak).toBeLessThanOrEqual(b.broker.fileBytes.perKeyBytes);
+    expect(b.broker.fileBytes.inUse).toBe(0);
+    for (const sb of sessions) await sb.close();
+  }, 180_000);
 });

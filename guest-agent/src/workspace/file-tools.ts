@@ -53,6 +53,9 @@ export interface FileToolsOptions {
 }
 
 /** What one call will add: `dirs` new directories and maybe a file (`replaces`: the file it overwrites). */
+/** A searched file up to this size goes in grep's batch without holding room in the broker's file bytes (the batch is bounded per search). */
+const SEARCH_UNHELD_BYTES = 64 * 1024;
+
 export interface PlannedGrowth {
   path: string;
   dirs: number;
@@ -204,10 +207,22 @@ export class FileTools {
         let candidates = 0;
         const consider = async (dirFd: number, name: Buffer, rel: string) => {
           candidates++;
+          // A large file holds room in the broker's file bytes while it waits for the worker
+          // (a principal's 128 sessions grepping 64 MiB files held 8 GiB); small ones ride in
+          // the batch, which is bounded per search.
+          const size = this.opts.holdBytes ? Math.min(lstatAt(dirFd, name)?.size ?? 0, this.maxFileBytes) : 0;
+          let release: (() => void) | undefined;
+          if (size > SEARCH_UNHELD_BYTES) {
+            await search.makeRoom(size);
+            release = await this.opts.holdBytes?.(size);
+          }
           const f = await this.readForSearch(dirFd, name);
-          if (!f) return;
+          if (!f) {
+            release?.();
+            return;
+          }
           files.push({ rel, mtime: f.mtime });
-          await search.add(f.buf);
+          await search.add(f.buf, release);
         };
         if (start.stat?.isFile()) await consider(start.dirFd, start.name, start.rel);
         else if (start.stat?.isDirectory()) {

@@ -150,6 +150,8 @@ export class RegexSearch {
   private worker: PooledWorker | undefined;
   private batch: Uint8Array[] = [];
   private batchBytes = 0;
+  /** Releases of the room the batch's files hold (FileToolsOptions.holdBytes): given back once the worker has them searched. */
+  private batchHolds: Array<() => void> = [];
   private readonly results: FileMatches[] = [];
   private failed: HutchError | undefined;
 
@@ -168,11 +170,21 @@ export class RegexSearch {
     }
   }
 
-  async add(content: Uint8Array): Promise<void> {
+  /** Adds a file's content; `release` (room held for it) is called once it has been searched or the search ends. */
+  async add(content: Uint8Array, release?: () => void): Promise<void> {
+    if (release) this.batchHolds.push(release); // given back by close() if this throws
     this.checkDeadline();
     this.batch.push(content);
     this.batchBytes += content.length;
     if (this.batchBytes >= BATCH_BYTES || this.batch.length >= BATCH_FILES) await this.flush();
+  }
+
+  /**
+   * Sends the batch now if a file of `bytes` would take it past its size: called before the
+   * caller waits for room for that file, so a search never waits holding more than it must.
+   */
+  async makeRoom(bytes: number): Promise<void> {
+    if (this.batch.length > 0 && this.batchBytes + bytes > BATCH_BYTES) await this.flush();
   }
 
   async finish(): Promise<FileMatches[]> {
@@ -184,21 +196,28 @@ export class RegexSearch {
     }
   }
 
-  /** Gives the worker back; call on every exit path (finish does). */
+  /** Gives the worker back, and the room a batch never sent held; call on every exit path (finish does). */
   close(): void {
     if (this.worker && !this.failed) sharedPool().release(this.worker);
     this.worker = undefined;
+    releaseAll(this.batchHolds.splice(0));
   }
 
   private async flush(): Promise<void> {
     if (this.batch.length === 0) return;
     const files = this.batch;
+    const holds = this.batchHolds;
     this.batch = [];
     this.batchBytes = 0;
-    const w = await this.acquire();
-    const answer = await this.run(w, files);
-    // One by one: spreading a batch's answers as arguments overflowed the stack past ~100,000.
-    for (const a of answer) this.results.push(a);
+    this.batchHolds = [];
+    try {
+      const w = await this.acquire();
+      const answer = await this.run(w, files);
+      // One by one: spreading a batch's answers as arguments overflowed the stack past ~100,000.
+      for (const a of answer) this.results.push(a);
+    } finally {
+      releaseAll(holds);
+    }
   }
 
   private async acquire(): Promise<PooledWorker> {
@@ -277,4 +296,8 @@ export class RegexSearch {
     if (this.failed) throw this.failed;
     if (this.budget.left() <= 0) throw this.timeoutError();
   }
+}
+
+function releaseAll(holds: Array<() => void>): void {
+  for (const r of holds) r();
 }
