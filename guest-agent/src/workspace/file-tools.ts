@@ -20,7 +20,7 @@ import { lstatAt, readFileAt, readlinkAt, type OpenedFile, removeTreeAt, renameA
 import { compileGlob } from './glob-match.ts';
 import { nameFromBytes } from './names.ts';
 import { RegexSearch, type FileMatches } from './regex-search.ts';
-import { countOccurrences, lineWindow, looksBinary, MAX_LINE_CHARS } from './text.ts';
+import { firstOccurrence, lineWindow, looksBinary, MAX_LINE_CHARS, splitOccurrences } from './text.ts';
 import { walk, type WalkType } from './walk.ts';
 import { LoopSlicer, WorkBudget } from './work-budget.ts';
 
@@ -160,17 +160,26 @@ export class FileTools {
     return this.at(p.path, {}, (r) => this.holding(r, async () => {
       const { buf, st } = await this.readRegular(r, p.path);
       if (looksBinary(buf)) throw new HutchError('binary_file', `${p.path} is a binary file`, { path: p.path });
-      const text = buf.toString('utf8');
-      const n = countOccurrences(text, p.oldString);
+      // Matched and replaced in the file's bytes, sliced (text.ts splitOccurrences): the file
+      // is never decoded whole on the loop, and bytes that are not UTF-8 elsewhere are kept.
+      const slicer = new LoopSlicer();
+      const tick = () => slicer.tick();
+      const from = Buffer.from(p.oldString, 'utf8');
+      const to = Buffer.from(p.newString, 'utf8');
+      const n = (await splitOccurrences(buf, from, undefined, tick)).count;
       if (n === 0) throw new HutchError('no_match', `oldString was not found in ${p.path} (0 matches)`, { path: p.path, matches: 0 });
       if (n > 1 && !p.replaceAll) {
         throw new HutchError('multiple_matches', `oldString matches ${n} times in ${p.path}; give more context or set replaceAll`, { path: p.path, matches: n });
       }
       const replaced = p.replaceAll ? n : 1;
-      // Refused before the new text is built: replaceAll can multiply a file's size.
-      this.checkSize(Buffer.byteLength(text) + replaced * (Buffer.byteLength(p.newString) - Buffer.byteLength(p.oldString)), p.path);
-      const next = p.replaceAll ? text.split(p.oldString).join(p.newString) : text.replace(p.oldString, () => p.newString);
-      const data = Buffer.from(next, 'utf8');
+      // Refused before the new content is built: replaceAll can multiply a file's size.
+      this.checkSize(buf.length + replaced * (to.length - from.length), p.path);
+      let data: Buffer;
+      if (p.replaceAll) data = (await splitOccurrences(buf, from, to, tick)).out as Buffer;
+      else {
+        const at = await firstOccurrence(buf, from, tick);
+        data = Buffer.concat([buf.subarray(0, at), to, buf.subarray(at + from.length)]);
+      }
       this.checkSize(data.length, p.path);
       this.opts.beforeGrow?.({ path: p.path, dirs: 0, file: { bytes: data.length, replaces: st } });
       await writeFileAtomic({ dirFd: r.dirFd, name: r.name }, data, { mode: st.mode, owner: { uid: st.uid, gid: st.gid }, durable: this.opts.durable ?? false });
