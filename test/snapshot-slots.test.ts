@@ -57,3 +57,27 @@ describe('snapshot slots', () => {
     expect(new SnapshotSlots(dir).current()?.syncMarker).toBeUndefined();
   });
 });
+
+describe("a slot's manifest file", () => {
+  it('round-trips a large manifest line by line (odd names included), and still reads the one-array JSON of older slots', async () => {
+    const { readManifest, writeManifest } = await import('../host-broker/src/sync/manifest.ts');
+    const dir = mkdtempSync(join(tmpdir(), 'hutch-manifest-'));
+    try {
+      const m = new Map<string, { kind: 'file' | 'dir' | 'symlink'; size: number; mtimeMs: number; mode: number; target?: string }>();
+      for (let i = 0; i < 30_000; i++) m.set(`d${i % 50}/f-${i}.ts`, { kind: 'file', size: i, mtimeMs: 1764680000000.5 + i, mode: 0o644 });
+      m.set('name with\nnewline', { kind: 'file', size: 1, mtimeMs: 1, mode: 0o600 });
+      m.set('lone \udc80 surrogate', { kind: 'symlink', size: 0, mtimeMs: 0, mode: 0, target: '../x\n' });
+      m.set('日本/dir', { kind: 'dir', size: 0, mtimeMs: 0, mode: 0o755 });
+      const path = join(dir, 'manifest.json');
+      await writeManifest(path, m);
+      expect(readFileSync(path, 'utf8').split('\n').length).toBe(m.size + 1);
+      expect([...(await readManifest(path))]).toEqual([...m]);
+      writeFileSync(path, JSON.stringify([...m.entries()]));
+      expect([...(await readManifest(path))]).toEqual([...m]);
+      await writeManifest(path, new Map());
+      expect((await readManifest(path)).size).toBe(0);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});

@@ -1,4 +1,4 @@
-import { mkdirSync, readFileSync, rmSync, writeFileSync, statSync, utimesSync } from 'node:fs';
+import { mkdirSync, readFileSync, rmSync, statSync, utimesSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
@@ -10,7 +10,7 @@ import type { ResultOf } from '../../../guest-agent/src/protocol/methods.ts';
 import { hostTscKhz } from '../../../kernel-configs/boot-params.ts';
 import type { AgentClient } from '../agent-client.ts';
 import type { HostChanges } from '../sync/host-changes.ts';
-import { manifestFromJson, manifestToJson } from '../sync/manifest.ts';
+import { readManifest, writeManifest } from '../sync/manifest.ts';
 import { fsyncPath } from '../lifecycle/snapshot-slots.ts';
 import { WorkspaceMirror } from '../sync/workspace-mirror.ts';
 import type { PullError } from '../sync/pull-journal.ts';
@@ -223,7 +223,7 @@ export class QemuBackend implements VmBackend {
       const hostWs = new Workspace(spec.workspaceDir);
       const mirror = new WorkspaceMirror(hostWs, new WorkspaceSync(hostWs), { stateDir: spec.stateDir });
       // From a slot the guest already holds the workspace as it was: push only the difference.
-      if (from) mirror.guestView = manifestFromJson(readFileSync(from.manifest, 'utf8'));
+      if (from) mirror.guestView = await readManifest(from.manifest);
       // The marker rides on the push's last batch; after a pristine restore the agent records
       // what it applies into its empty /work rather than scanning it afterwards, and from a
       // slot it builds on the slot's last pull marker (what the guest wrote after that pull
@@ -557,7 +557,7 @@ class QemuSandbox implements Sandbox {
     const snap = await this.vm.snapshot(state);
     // The RAM stream does not carry the swap disk: what the guest swapped out goes with the slot.
     const swap = await saveSwapDisk(this.vm.spec.dir, dir);
-    writeFileSync(manifest, manifestToJson(this.mirror.guestView ?? new Map()));
+    await writeManifest(manifest, this.mirror.guestView ?? new Map());
     // Durable before the slot becomes current: a crash must never leave a torn "last good" slot.
     for (const f of [state, manifest, ...(swap ? [swap.path] : [])]) fsyncPath(f);
     await this.vm.destroy();
