@@ -23,6 +23,8 @@ import type { Logger } from '../../../guest-agent/src/log.ts';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { openFileAt, readDirAt } from '../../../guest-agent/src/workspace/fd-path.ts';
 import { nameFromBytes } from '../../../guest-agent/src/workspace/names.ts';
+import { sortSliced } from '../../../guest-agent/src/workspace/sliced-sort.ts';
+import { LoopSlicer } from '../../../guest-agent/src/workspace/work-budget.ts';
 import type { Principals } from '../api/principals.ts';
 import type { SessionManager } from '../sessions/session-manager.ts';
 import type { Session, SignalName } from '../sessions/session.ts';
@@ -466,7 +468,10 @@ export class E2bEndpoint {
       case 'filesystem.Filesystem/ListDir': {
         const depth = typeof msg['depth'] === 'number' && msg['depth'] > 0 ? Math.min(msg['depth'], 16) : 1;
         const entries: unknown[] = [];
-        await this.listInto(s, path(), depth, entries);
+        // An entry is a confined open and a stat, all synchronous: a 200,000-entry listing
+        // would hold the loop for seconds without a turn between entries.
+        const slicer = new LoopSlicer();
+        await this.listInto(s, path(), depth, entries, () => slicer.tick());
         return { entries };
       }
       case 'filesystem.Filesystem/CreateWatcher': {
@@ -614,22 +619,23 @@ export class E2bEndpoint {
     }
   }
 
-  private async listInto(s: Session, path: string, depth: number, out: unknown[]): Promise<void> {
+  private async listInto(s: Session, path: string, depth: number, out: unknown[], tick: () => Promise<void>): Promise<void> {
     const r = s.files.ws.open(path);
-    let names: string[];
+    let names: Iterable<string>;
     try {
       if (!r.stat?.isDirectory()) throw new ConnectError('invalid_argument', `${path} is not a directory`);
-      names = (await readDirAt(r.openDir())).map((d) => nameFromBytes(d.name)).sort();
+      names = await sortSliced((await readDirAt(r.openDir())).map((d) => nameFromBytes(d.name)), (n) => n, tick);
     } catch (err) {
       throw ConnectError.from(err);
     } finally {
       r.close();
     }
     for (const n of names) {
+      await tick();
       const child = `${path.replace(/\/+$/, '')}/${n}`;
       const e = await this.entry(s, child);
       out.push(e);
-      if (depth > 1 && e['type'] === 'FILE_TYPE_DIRECTORY') await this.listInto(s, child, depth - 1, out);
+      if (depth > 1 && e['type'] === 'FILE_TYPE_DIRECTORY') await this.listInto(s, child, depth - 1, out, tick);
     }
   }
 
