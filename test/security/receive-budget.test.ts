@@ -79,4 +79,23 @@ describe("a principal's messages within its share of the broker's memory", () =>
     alice.close();
     bob.close();
   }, 60_000);
+
+  it('a request larger than the whole share is taken when its principal holds no other large one, and refused beside another', async () => {
+    const small = await startBroker({ limits: { principalReceiveBytes: 4 * MiB } });
+    try {
+      const h = await small.connect();
+      const sb = await h.create();
+      const content = 'z'.repeat(6 * MiB);
+      await sb.call('write', { filePath: 'alone.txt', content });
+      expect(readFileSync(join(small.dataDir, 'sessions', sb.id, 'workspace', 'alone.txt'), 'utf8').length).toBe(6 * MiB);
+      const sleeping = sb.run('sleep 2');
+      const queued = sb.call('write', { filePath: 'first.txt', content });
+      await expect(sb.call('write', { filePath: 'second.txt', content })).rejects.toMatchObject({ code: 'busy', context: { limit: 'receive' } });
+      await sleeping;
+      await queued;
+      h.close();
+    } finally {
+      await small.stop();
+    }
+  }, 60_000);
 });

@@ -10,7 +10,8 @@
  *    and reading, so one always finishes and nothing deadlocks; all resume once under;
  *  - requests received and not yet answered: past the share a request of more than
  *    SMALL_MESSAGE_BYTES is answered `busy` at once and dropped (a request never waits
- *    here: waiting would hold its bytes). Small ones (signals, most calls) always pass.
+ *    here: waiting would hold its bytes). Small ones (signals, most calls) always pass,
+ *    and so does a principal's first large one (whatever the share).
  * A principal's messages hold at most about twice its share plus one message (its requests
  * up to the share, messages arriving up to it, one of them finishing past it). Principals
  * never wait on each other: a pause only ever waits for the same principal.
@@ -33,6 +34,8 @@ interface Member {
 export class ReceiveBudget {
   private readonly members = new Map<string, Set<Member>>();
   private readonly held = new Map<string, number>();
+  /** Requests above SMALL_MESSAGE_BYTES each principal holds. */
+  private readonly large = new Map<string, number>();
   private heldAll = 0;
   /** The most each principal's messages held at once (seen when data arrived): for tests and operators. */
   readonly peak = new Map<string, number>();
@@ -84,13 +87,23 @@ export class ReceiveBudget {
    */
   admit(principal: string, bytes: number): (() => void) | undefined {
     const mine = this.held.get(principal) ?? 0;
-    if (bytes > SMALL_MESSAGE_BYTES && (mine + bytes > this.principalBytes || this.heldAll + bytes > this.totalBytes)) return undefined;
+    const large = bytes > SMALL_MESSAGE_BYTES;
+    // One large request of a principal is always taken (a share set below the frame limit
+    // must bound, not refuse for ever, a request that could never fit beside others).
+    const largeHeld = this.large.get(principal) ?? 0;
+    if (large && largeHeld > 0 && (mine + bytes > this.principalBytes || this.heldAll + bytes > this.totalBytes)) return undefined;
     this.held.set(principal, mine + bytes);
     this.heldAll += bytes;
+    if (large) this.large.set(principal, largeHeld + 1);
     let done = false;
     return () => {
       if (done) return;
       done = true;
+      if (large) {
+        const n = (this.large.get(principal) ?? 1) - 1;
+        if (n > 0) this.large.set(principal, n);
+        else this.large.delete(principal);
+      }
       const left = (this.held.get(principal) ?? bytes) - bytes;
       if (left > 0) this.held.set(principal, left);
       else this.held.delete(principal);
