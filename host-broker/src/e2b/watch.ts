@@ -6,7 +6,8 @@
  */
 import { realpathSync } from 'node:fs';
 import { basename, relative } from 'node:path';
-import { watch, type FSWatcher } from 'chokidar';
+import type { FSWatcher } from 'chokidar';
+import { watchTree } from '../sync/watch-tree.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { isAtomicTempName } from '../../../guest-agent/src/workspace/atomic-write.ts';
 import type { Session } from '../sessions/session.ts';
@@ -71,7 +72,7 @@ export async function watchDir(s: Session, path: string, recursive: boolean, onE
     return true;
   };
   // Not recursive: one directory watched, whatever lies below it.
-  w = watch(abs, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false, ...(recursive ? { ignored } : { depth: 0 }) });
+  w = watchTree(abs, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false, ...(recursive ? { ignored } : { depth: 0 }) });
   try {
     await new Promise<void>((resolve, reject) => {
       w?.once('ready', () => resolve());

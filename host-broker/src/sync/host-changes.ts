@@ -1,4 +1,5 @@
-import { watch, type FSWatcher } from 'chokidar';
+import type { FSWatcher } from 'chokidar';
+import { watchTree } from './watch-tree.ts';
 import { relative } from 'node:path';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { watchBudget, type WatchBudget } from './watch-budget.ts';
@@ -73,7 +74,7 @@ export class HostChangeTracker {
       this.budget.give(dirs.size);
       dirs.clear();
     };
-    const w = watch(this.root, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false, ignored });
+    const w = watchTree(this.root, { ignoreInitial: true, followSymlinks: false, persistent: false, atomic: false, ignored });
     this.watcher = w;
     w.on('all', (_ev, abs) => {
       if (gen !== this.generation) return;
