@@ -9,6 +9,12 @@
  *   baseline_worst_gap_ms  the same directory through the previous ways: one readdir of the
  *                  whole directory (`readdir`), and the scan's walk without yielding between
  *                  entries (`unsliced_scan`)
+ *   deep_chain_depth  a second tree: one chain of nested one-letter directories, as deep as
+ *                  a path can name (4,000-byte paths). Its walkers: deep_scan (the push's scan),
+ *                  deep_diff (a diff that removes the chain), deep_remove (the guest view after
+ *                  a pull that deleted its top); baselines deep_diff_per_key_walk and
+ *                  deep_remove_per_key_walk, the previous code (every ancestor of every key
+ *                  sliced and looked up: cubic in the depth)
  * Raw per-round numbers are kept in the raw line.
  */
 import { closeSync, mkdirSync, mkdtempSync, openSync, rmSync } from 'node:fs';
@@ -20,7 +26,9 @@ import { Workspace } from '../guest-agent/src/workspace/confine.ts';
 import { FileTools } from '../guest-agent/src/workspace/file-tools.ts';
 import { walk } from '../guest-agent/src/workspace/walk.ts';
 import { lstatAt } from '../guest-agent/src/workspace/fd-path.ts';
-import { diffManifests, scanTree } from '../host-broker/src/sync/manifest.ts';
+import { diffManifests, scanTree, type Manifest } from '../host-broker/src/sync/manifest.ts';
+import { removeWithChildren } from '../host-broker/src/sync/workspace-mirror.ts';
+import { execFileSync } from 'node:child_process';
 import { measureWorkspace } from '../host-broker/src/sessions/workspace-quota.ts';
 import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
 
@@ -55,6 +63,21 @@ async function watched(fn: () => Promise<unknown>): Promise<{ gap: number; ms: n
   return { gap, ms };
 }
 
+// One chain of one-letter directories, made with relative names as a tenant would: level k
+// is 2k - 1 bytes, so 2,000 levels stay inside a 4,096-byte path.
+const DEPTH = 2000;
+const deepRoot = mkdtempSync(join(tmpdir(), 'hutch-bench-deep-'));
+process.on('exit', () => execFileSync('rm', ['-rf', '--', deepRoot]));
+execFileSync('python3', ['-c', `import os\nos.chdir(${JSON.stringify(deepRoot)})\nfor _ in range(${DEPTH}):\n    os.mkdir('d'); os.chdir('d')`]);
+const deepScanned = await scanTree(deepRoot);
+if (deepScanned.size !== DEPTH) throw new Error(`the deep chain scanned as ${deepScanned.size} entries, not ${DEPTH}`);
+
+/** The previous code's per-key walk: every ancestor sliced and looked up. */
+function perKeyAncestor(key: string, test: (a: string) => boolean): boolean {
+  for (let i = key.lastIndexOf('/'); i > 0; i = key.lastIndexOf('/', i - 1)) if (test(key.slice(0, i))) return true;
+  return false;
+}
+
 const tools = new FileTools(new Workspace(root));
 const scanned = await scanTree(root);
 const walkers: Record<string, () => Promise<unknown>> = {
@@ -63,11 +86,25 @@ const walkers: Record<string, () => Promise<unknown>> = {
   measure: () => measureWorkspace(root),
   list: () => tools.list({ path: 'wide' }),
   glob: () => tools.glob({ pattern: '**/f1*' }),
+  deep_scan: () => scanTree(deepRoot),
+  deep_diff: () => diffManifests(new Map(), deepScanned),
+  deep_remove: () => removeWithChildren(new Map(deepScanned), new Set(['d'])),
 };
 const baselines: Record<string, () => Promise<unknown>> = {
   readdir: () => fsp.readdir(wide, { withFileTypes: true, encoding: 'buffer' }),
   unsliced_scan: async () => {
     for await (const e of walk(root)) lstatAt(e.dirFd, e.name);
+  },
+  deep_diff_per_key_walk: async () => {
+    const from: Manifest = new Map();
+    const remove: string[] = [];
+    for (const p of deepScanned.keys()) if (!from.has(p) && !perKeyAncestor(p, (a) => deepScanned.has(a) && !from.has(a))) remove.push(p);
+    return remove;
+  },
+  deep_remove_per_key_walk: async () => {
+    const view = new Map(deepScanned);
+    const gone = new Set(['d']);
+    for (const k of [...view.keys()]) if (gone.has(k) || perKeyAncestor(k, (a) => gone.has(a))) view.delete(k);
   },
 };
 
@@ -84,4 +121,4 @@ const worst = Object.fromEntries(Object.keys(walkers).map((k) => [k, gapOf(k)]))
 const total = Object.fromEntries(Object.keys(walkers).map((k) => [k, msOf(k)]));
 const baseline = Object.fromEntries(Object.keys(baselines).map((k) => [k, gapOf(k)]));
 const rows = [...Object.keys(walkers), ...Object.keys(baselines)].map((k) => ({ walker: k, baseline: k in baselines, worst_gap_ms: gapOf(k), total_ms: msOf(k) }));
-emit(`Broker event loop on a directory of ${N} entries`, markdownTable(rows), { entries: N, worst_gap_ms: worst, total_ms: total, baseline_worst_gap_ms: baseline, rounds: ROUNDS }, args.json ? raw : undefined);
+emit(`Broker event loop on a directory of ${N} entries`, markdownTable(rows), { entries: N, deep_chain_depth: DEPTH, worst_gap_ms: worst, total_ms: total, baseline_worst_gap_ms: baseline, rounds: ROUNDS }, args.json ? raw : undefined);

@@ -11,7 +11,7 @@ import { Workspace } from '../../guest-agent/src/workspace/confine.ts';
 import { FileTools } from '../../guest-agent/src/workspace/file-tools.ts';
 import type { Hutch } from '../../host-broker/src/sdk/index.ts';
 import { measureWorkspace } from '../../host-broker/src/sessions/workspace-quota.ts';
-import { HostChangeTracker } from '../../host-broker/src/sync/host-changes.ts';
+import { HostChangeTracker, MAX_WATCHED_DEPTH } from '../../host-broker/src/sync/host-changes.ts';
 import { WatchBudget } from '../../host-broker/src/sync/watch-budget.ts';
 import { startBroker, type TestBroker } from '../helpers/broker.ts';
 import { waitFor } from '../helpers/wait-for.ts';
@@ -195,6 +195,33 @@ describe('watching a workspace', () => {
       expect(t.watching).toBe(false);
     } finally {
       rmSync(d, { recursive: true, force: true });
+    }
+  }, 60_000);
+});
+
+describe('watching a deep workspace', () => {
+  it(`stops below ${MAX_WATCHED_DEPTH} levels and answers that everything may have changed; a shallower tree is watched`, async () => {
+    const log = createLogger({ name: 'test', level: 'error' });
+    const budget = new WatchBudget(10_000);
+    const deep = mkdtempSync(join(tmpdir(), 'hutch-watch-deep-'));
+    const shallow = mkdtempSync(join(tmpdir(), 'hutch-watch-shallow-'));
+    try {
+      chain(deep, MAX_WATCHED_DEPTH + 2);
+      chain(shallow, MAX_WATCHED_DEPTH - 1);
+      const t = new HostChangeTracker(deep, log, 1000, budget);
+      t.watch();
+      await waitFor(async () => !t.watching, 30_000, 'the watcher giving up past the depth');
+      expect(t.take()).toEqual({ kind: 'all' });
+      expect(budget.used).toBe(0);
+      const s = new HostChangeTracker(shallow, log, 1000, budget);
+      s.watch();
+      await new Promise((r) => setTimeout(r, 1500));
+      expect(s.watching).toBe(true);
+      expect(s.take()).toEqual({ kind: 'none' });
+      await s.close();
+    } finally {
+      removeDeep(deep);
+      removeDeep(shallow);
     }
   }, 60_000);
 });

@@ -5,6 +5,7 @@ import { encodeFrame } from '../protocol/frame-codec.ts';
 import { SYNC_PATH_MAX_BYTES, SYNC_RECORD_MAX_BYTES, type ResultOf, type SyncChange, type SyncChangesBatch, type SyncEntry } from '../protocol/methods.ts';
 import { isAtomicTempName, writeFileAtomic, writeFileAtomicSyncAt } from './atomic-write.ts';
 import type { Workspace } from './confine.ts';
+import { AncestorTest } from './ancestry.ts';
 import { nameFromBytes, nameToBytes } from './names.ts';
 import { at, closeQuietly, lstatAt, mkdirAt, openDirAt, openFileAt, readlinkAt, removeTreeAt, renameAt, unlinkAt } from './fd-path.ts';
 import { closeSyncParent, openSyncParent, openSyncRoot, readSmallFile, splitSyncPath, SyncParentCache } from './sync-path.ts';
@@ -274,7 +275,8 @@ export class WorkspaceSync {
     // A path above what a sync path may be (a tree made deep through relative names) was
     // never on the host: its deletion is nothing to send, and it is reported once per
     // directory it lies under instead of failing the whole change set.
-    const gone = [...before.keys()].filter((p) => !now.has(p) && !hasDeletedAncestor(p, before, now) && nameToBytes(p).length <= SYNC_PATH_MAX_BYTES).sort().reverse();
+    const underDeleted = new AncestorTest((a) => before.has(a) && !now.has(a));
+    const gone = [...before.keys()].filter((p) => !now.has(p) && !underDeleted.anyAncestor(p) && nameToBytes(p).length <= SYNC_PATH_MAX_BYTES).sort().reverse();
     for (const p of gone) await add({ path: nameToBytes(p), kind: 'deleted' });
     const tooLongUnder = new Set<string>();
     for (const p of [...now.keys()].sort()) {
@@ -600,11 +602,3 @@ function sameEntry(a: ManifestEntry, b: ManifestEntry): boolean {
   return true;
 }
 
-/** A deleted directory's children are implied by its own deletion. */
-function hasDeletedAncestor(path: string, before: Manifest, now: Manifest): boolean {
-  for (let i = path.lastIndexOf('/'); i > 0; i = path.lastIndexOf('/', i - 1)) {
-    const parent = path.slice(0, i);
-    if (before.has(parent) && !now.has(parent)) return true;
-  }
-  return false;
-}

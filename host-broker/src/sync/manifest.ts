@@ -1,8 +1,10 @@
-import { lstatSync, promises as fsp, readlinkSync } from 'node:fs';
-import { at } from '../../../guest-agent/src/workspace/fd-path.ts';
+import { constants, lstatSync, openSync, promises as fsp, readlinkSync } from 'node:fs';
+import { at, closeQuietly } from '../../../guest-agent/src/workspace/fd-path.ts';
+import { openSyncRoot, splitSyncPath, SyncParentCache } from '../../../guest-agent/src/workspace/sync-path.ts';
 import { walk } from '../../../guest-agent/src/workspace/walk.ts';
 import { LoopSlicer } from '../../../guest-agent/src/workspace/work-budget.ts';
 import { sortSliced } from '../../../guest-agent/src/workspace/sliced-sort.ts';
+import { AncestorTest } from '../../../guest-agent/src/workspace/ancestry.ts';
 import { nameFromBytes, nameToBytes } from '../../../guest-agent/src/workspace/names.ts';
 
 /**
@@ -21,18 +23,65 @@ export interface ManifestEntry {
 }
 export type Manifest = Map<string, ManifestEntry>;
 
-/** The bytes path of a workspace-relative name (a name need not be UTF-8, so never a plain string join). */
-export function hostPathBytes(root: string, rel: string): Buffer {
-  return Buffer.concat([Buffer.from(root), Buffer.from('/'), nameToBytes(rel)]);
-}
-
 /**
- * One entry's manifest data. Synchronous on purpose: a scan makes one of these per file
- * (100,000 for a node_modules), and an lstat is microseconds while a thread-pool round
- * trip is far more; the walk between them still yields to the event loop.
+ * A host workspace opened to look entries up by their relative paths, one directory at a
+ * time through fds, never through a symlink. A whole host path would follow a symlink in
+ * any component but the last: a guest that turned a directory into a link to a host
+ * directory had the broker (root) stat and read the file behind it for the next push,
+ * and write it into the guest. Paths past PATH_MAX resolve the same way. Close it after use.
  */
-export function statEntry(root: string, rel: string): ManifestEntry | undefined {
-  return entryOf(hostPathBytes(root, rel));
+export class HostTree {
+  private readonly rootFd: number;
+  private readonly parents: SyncParentCache;
+
+  constructor(root: string) {
+    this.rootFd = openSyncRoot(root);
+    this.parents = new SyncParentCache(this.rootFd);
+  }
+
+  /**
+   * A path that names `rel` through its parent directory's fd (`/proc/self/fd/N/name`), for
+   * one synchronous lstat or open right away: the fd is the tree's and moves on with the
+   * next lookup. Undefined when a component is missing, not a directory (a symlink among
+   * them) or the path is not a workspace path.
+   */
+  locate(rel: string): Buffer | undefined {
+    let parts: Buffer[];
+    let fd: number | undefined;
+    try {
+      parts = splitSyncPath(nameToBytes(rel));
+      fd = this.parents.get(parts);
+    } catch {
+      return undefined;
+    }
+    return fd === undefined ? undefined : at(fd, parts[parts.length - 1] as Buffer);
+  }
+
+  /**
+   * One entry's manifest data. Synchronous on purpose: a scan makes one of these per file
+   * (100,000 for a node_modules), and an lstat is microseconds while a thread-pool round
+   * trip is far more; the callers' loops yield between them.
+   */
+  stat(rel: string): ManifestEntry | undefined {
+    const p = this.locate(rel);
+    return p ? entryOf(p) : undefined;
+  }
+
+  /** An fd of the directory `rel` (the caller closes it), or undefined if it is not one now. */
+  openDir(rel: string): number | undefined {
+    const p = this.locate(rel);
+    if (!p) return undefined;
+    try {
+      return openSync(p, constants.O_RDONLY | constants.O_DIRECTORY | constants.O_NOFOLLOW);
+    } catch {
+      return undefined;
+    }
+  }
+
+  close(): void {
+    this.parents.close();
+    closeQuietly(this.rootFd);
+  }
 }
 
 function entryOf(abs: Buffer): ManifestEntry | undefined {
@@ -55,7 +104,8 @@ function entryOf(abs: Buffer): ManifestEntry | undefined {
   return undefined; // sockets, fifos, devices never sync
 }
 
-export async function scanTree(root: string): Promise<Manifest> {
+/** Every entry under `root` (a path, or a directory fd the caller keeps and closes). */
+export async function scanTree(root: string | number): Promise<Manifest> {
   const m: Manifest = new Map();
   // A tenant's directory of 200,000 files was one uninterrupted block of the broker's loop
   // (3.4 s): the entries of one directory come without a turn of the loop unless it yields.
@@ -91,9 +141,11 @@ export async function diffManifests(from: Manifest, to: Manifest): Promise<{ wri
     const t = to.get(p);
     if (!t || !sameEntry(e, t)) write.push(p);
   }
+  // A path under a directory that goes is removed with it: only the top of each removed tree is listed.
+  const underRemoved = new AncestorTest((a) => to.has(a) && !from.has(a));
   for (const p of to.keys()) {
     if (++n % TICK_EVERY === 0) await tick();
-    if (!from.has(p) && !hasMissingAncestor(p, from, to)) remove.push(p);
+    if (!from.has(p) && !underRemoved.anyAncestor(p)) remove.push(p);
   }
   return { write: await sortedList(write, tick), remove: (await sortedList(remove, tick)).reverse() };
 }
@@ -108,14 +160,6 @@ async function sortedList(paths: string[], tick: () => Promise<void>): Promise<s
     if (out.length % TICK_EVERY === 0) await tick();
   }
   return out;
-}
-
-function hasMissingAncestor(p: string, from: Manifest, to: Manifest): boolean {
-  for (let i = p.lastIndexOf('/'); i > 0; i = p.lastIndexOf('/', i - 1)) {
-    const a = p.slice(0, i);
-    if (to.has(a) && !from.has(a)) return true;
-  }
-  return false;
 }
 
 /** Bytes of a manifest file written at a time. */

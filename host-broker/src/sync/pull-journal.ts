@@ -5,6 +5,7 @@ import { setImmediate as yieldToLoop } from 'node:timers/promises';
 import { LoopSlicer } from '../../../guest-agent/src/workspace/work-budget.ts';
 import { HutchError, toHutchError, type ErrorCode } from '../../../guest-agent/src/protocol/errors.ts';
 import { nameFromBytes } from '../../../guest-agent/src/workspace/names.ts';
+import { addWithAncestors } from '../../../guest-agent/src/workspace/ancestry.ts';
 import { at, closeQuietly, lstatAt, mkdirAt, openDirAt, renameAt } from '../../../guest-agent/src/workspace/fd-path.ts';
 import { openSyncRoot, splitSyncPath, SyncParentCache } from '../../../guest-agent/src/workspace/sync-path.ts';
 import { fsyncPath } from '../lifecycle/snapshot-slots.ts';
@@ -291,7 +292,7 @@ function orderOps(all: Map<string, Op>): { ops: Op[]; keys: string[] } {
   const written = new Set<string>();
   for (const [k, o] of all) {
     if (o.op === 'delete') continue;
-    for (let i = k.length; i > 0; i = k.lastIndexOf('/', i - 1)) written.add(k.slice(0, i));
+    addWithAncestors(written, k);
   }
   const sorted = [...all.keys()].sort();
   const deletes = sorted.filter((k) => all.get(k)?.op === 'delete' && !written.has(k)).reverse();

@@ -3,13 +3,15 @@ import { basename, dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { SYNC_PATH_MAX_BYTES, type ResultOf, type SyncEntry } from '../../../guest-agent/src/protocol/methods.ts';
+import { AncestorTest } from '../../../guest-agent/src/workspace/ancestry.ts';
+import { closeQuietly } from '../../../guest-agent/src/workspace/fd-path.ts';
 import type { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { hasEscapedBytes, nameFromBytes, nameToBytes } from '../../../guest-agent/src/workspace/names.ts';
 import type { WorkspaceSync } from '../../../guest-agent/src/workspace/sync.ts';
 import { readSmallFile } from '../../../guest-agent/src/workspace/sync-path.ts';
 import { LoopSlicer } from '../../../guest-agent/src/workspace/work-budget.ts';
 import type { AgentClient } from '../agent-client.ts';
-import { diffManifests, hostPathBytes, scanTree, statEntry, type Manifest, type ManifestEntry } from './manifest.ts';
+import { diffManifests, HostTree, scanTree, type Manifest, type ManifestEntry } from './manifest.ts';
 import { PullStage, type PullError, type PullHook } from './pull-journal.ts';
 
 export type { PullError } from './pull-journal.ts';
@@ -24,6 +26,8 @@ const BATCH_STREAMS = 8;
 const CHANGE_OVERHEAD_BYTES = 96;
 /** Host paths a push checks one by one; more and it scans the whole tree once. */
 const PARTIAL_PUSH_MAX = 1024;
+/** Entries between ticks in loops over a whole manifest: a tick costs a promise, an entry far less. */
+const TICK_EVERY = 256;
 /** Inline files of a change-set batch staged at once. */
 const STAGE_CONCURRENCY = 16;
 
@@ -139,6 +143,15 @@ export class WorkspaceMirror {
 
   /** Makes the guest's workspace equal to the host's, sending only what differs from `guestView`. */
   async push(agent: AgentClient, only?: Iterable<string>, opts: PushOptions = {}): Promise<PushStats> {
+    const tree = new HostTree(this.hostWs.root);
+    try {
+      return await this.pushWith(tree, agent, only, opts);
+    } finally {
+      tree.close();
+    }
+  }
+
+  private async pushWith(tree: HostTree, agent: AgentClient, only: Iterable<string> | undefined, opts: PushOptions): Promise<PushStats> {
     const t0 = performance.now();
     const before: Manifest = this.guestView ?? new Map();
     const onlyList = only ? [...only] : undefined;
@@ -152,7 +165,12 @@ export class WorkspaceMirror {
       // Only these paths (and what is under them) may have changed on the host.
       host = new Map();
       guestSubset = new Map();
-      for (const p of onlyList) await this.scanPath(p, host, guestSubset, before);
+      // A path under another listed one is in that one's subtree scan: a pull that landed a
+      // chain of 2,000 directories lists every level, and scanning each level's subtree
+      // was quadratic in the depth (minutes of the broker's time for one push).
+      const listed = new Set(onlyList);
+      const covered = new AncestorTest((a) => listed.has(a));
+      for (const p of onlyList) if (!covered.anyAncestor(p)) await this.scanPath(tree, p, host, guestSubset, before);
     } else host = await scanTree(this.hostWs.root);
     const diff = await diffManifests(host, guestSubset);
     const remove = diff.remove;
@@ -164,9 +182,9 @@ export class WorkspaceMirror {
       ...remove.map((rel): PushItem => ({ rel, remove: true })),
       ...write.map((rel): PushItem => ({ rel, entry: host.get(rel) as ManifestEntry })),
     ];
-    const { files, bytes, sent, marker } = await this.send(agent, items, opts);
+    const { files, bytes, sent, marker } = await this.send(tree, agent, items, opts);
     const view: Manifest = this.guestView ?? new Map();
-    removeWithChildren(view, new Set(remove));
+    await removeWithChildren(view, new Set(remove));
     for (const p of sent) view.set(p, host.get(p) as ManifestEntry);
     this.guestView = view;
     return { files, bytes, removed: remove.length, sent: sent.length, ms: performance.now() - t0, tooLong: diff.write.length - write.length, marker };
@@ -307,41 +325,76 @@ export class WorkspaceMirror {
       this.unpulled.delete(a.key);
       if (a.op === 'delete') deleted.add(a.key);
     }
-    if (deleted.size) for (const u of [...this.unpulled]) if (hasAncestorIn(u, deleted)) this.unpulled.delete(u);
+    if (deleted.size) {
+      const under = new AncestorTest((p) => deleted.has(p));
+      const slice = new LoopSlicer();
+      let n = 0;
+      for (const u of [...this.unpulled]) {
+        if (++n % TICK_EVERY === 0) await slice.tick();
+        if (under.anyAncestor(u)) this.unpulled.delete(u);
+      }
+    }
     const view = this.guestView ?? new Map();
-    removeWithChildren(view, deleted);
+    await removeWithChildren(view, deleted);
     const slice = new LoopSlicer();
-    for (const a of applied) {
-      if (a.op === 'delete') continue;
-      // An lstat per entry: 100,000 of them held the loop for most of a second, every
-      // other session's calls behind them. Others go between slices.
-      await slice.tick();
-      const e = statEntry(this.hostWs.root, a.key);
-      if (e) view.set(a.key, e);
-      else view.delete(a.key);
+    const tree = new HostTree(this.hostWs.root);
+    try {
+      for (const a of applied) {
+        if (a.op === 'delete') continue;
+        // An lstat per entry: 100,000 of them held the loop for most of a second, every
+        // other session's calls behind them. Others go between slices.
+        await slice.tick();
+        const e = tree.stat(a.key);
+        if (e) view.set(a.key, e);
+        else view.delete(a.key);
+      }
+    } finally {
+      tree.close();
     }
     this.guestView = view;
   }
 
-  private async scanPath(p: string, host: Manifest, guestSubset: Manifest, before: Manifest): Promise<void> {
-    // The path, its ancestors (a write may have created them) and, for a directory, its subtree.
-    const parts = p.split('/');
-    for (let i = 1; i <= parts.length; i++) {
-      const q = parts.slice(0, i).join('/');
-      if (host.has(q) || guestSubset.has(q)) continue;
-      const e = statEntry(this.hostWs.root, q);
+  private async scanPath(tree: HostTree, p: string, host: Manifest, guestSubset: Manifest, before: Manifest): Promise<void> {
+    // The path, its ancestors (a write may have created them) and, for a directory, its
+    // subtree. Up from the path to the first ancestor an earlier path already took (whose
+    // own ancestors it took too), then down: a tenant's path can be 2,000 levels deep, and
+    // rebuilding and stat-ing every prefix of every path held the loop for each.
+    const slice = new LoopSlicer();
+    const chain: string[] = [];
+    for (let q: string | undefined = p; q !== undefined && !host.has(q) && !guestSubset.has(q); ) {
+      chain.push(q);
+      const i = q.lastIndexOf('/');
+      q = i > 0 ? q.slice(0, i) : undefined;
+    }
+    for (const q of chain.reverse()) {
+      await slice.tick();
+      const e = tree.stat(q);
       if (e) host.set(q, e);
       const g = before.get(q);
       if (g) guestSubset.set(q, g);
     }
     const top = host.get(p);
-    if (top?.kind === 'dir') for (const [k, v] of await scanTree(this.hostWs.hostPath(p))) host.set(`${p}/${k}`, v);
+    const dirFd = top?.kind === 'dir' ? tree.openDir(p) : undefined;
+    if (dirFd !== undefined) {
+      try {
+        for (const [k, v] of await scanTree(dirFd)) host.set(`${p}/${k}`, v);
+      } finally {
+        closeQuietly(dirFd);
+      }
+    }
     // Only a directory has a subtree the guest may hold (this walks the whole view: keep it to directories).
-    if (top?.kind === 'dir' || before.get(p)?.kind === 'dir') for (const [k, v] of before) if (k.startsWith(`${p}/`)) guestSubset.set(k, v);
+    if (top?.kind === 'dir' || before.get(p)?.kind === 'dir') {
+      const prefix = `${p}/`;
+      let n = 0;
+      for (const [k, v] of before) {
+        if (++n % TICK_EVERY === 0) await slice.tick();
+        if (k.startsWith(prefix)) guestSubset.set(k, v);
+      }
+    }
   }
 
   /** Sends a push plan in batches bounded by bytes and streams; contents are read only as their batch fills. */
-  private async send(agent: AgentClient, items: PushItem[], opts: PushOptions): Promise<{ files: number; bytes: number; sent: string[]; marker: PushStats['marker'] }> {
+  private async send(tree: HostTree, agent: AgentClient, items: PushItem[], opts: PushOptions): Promise<{ files: number; bytes: number; sent: string[]; marker: PushStats['marker'] }> {
     let marker: PushStats['marker'];
     let files = 0;
     let bytes = 0;
@@ -366,7 +419,7 @@ export class WorkspaceMirror {
     };
     for (const item of items) {
       const path = nameToBytes(item.rel);
-      const change = item.remove ? ({ op: 'delete', path } as Change) : await this.describe(item.rel, path, item.entry);
+      const change = item.remove ? ({ op: 'delete', path } as Change) : await this.describe(tree, item.rel, path, item.entry);
       if (!change) continue;
       const streamed = 'source' in change;
       const size = 'data' in change && change.data ? change.data.length : 0;
@@ -385,17 +438,20 @@ export class WorkspaceMirror {
     return { files, bytes, sent, marker };
   }
 
-  private async describe(rel: string, path: Buffer, e: ManifestEntry): Promise<Change | undefined> {
+  private async describe(tree: HostTree, rel: string, path: Buffer, e: ManifestEntry): Promise<Change | undefined> {
     if (e.kind === 'dir') return { op: 'mkdir', path, mode: e.mode };
     if (e.kind === 'symlink') return { op: 'symlink', path, target: nameToBytes(e.target as string) };
-    const abs = hostPathBytes(this.hostWs.root, rel);
+    // Vanished, or a directory on the way became a link since the scan: the next push sees it.
+    const abs = tree.locate(rel);
+    if (!abs) return undefined;
     if (e.size <= INLINE_MAX) {
       // Small files are read synchronously: a push may carry 100,000 of them.
       const data = readSmallFile(abs, INLINE_MAX);
       return data ? { op: 'write', path, mode: e.mode, mtimeMs: e.mtimeMs, data } : undefined;
     }
+    // The located parent is the tree's until its next lookup, and this push's tree is its own.
     const fh = await fsp.open(abs, constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK).catch(() => undefined);
-    if (!fh) return undefined; // vanished or replaced by a link since the scan: the next push sees it
+    if (!fh) return undefined;
     const source = (async function* () {
       try {
         for await (const c of fh.createReadStream({ autoClose: false, highWaterMark: 128 * 1024 })) yield c as Buffer;
@@ -511,14 +567,18 @@ async function settleAll(ps: Array<Promise<void>>): Promise<void> {
   for (const r of rs) if (r.status === 'rejected') throw r.reason;
 }
 
-/** Removes the given paths and everything under them from a manifest, in one pass. */
-function removeWithChildren(view: Manifest, gone: Set<string>): void {
+/**
+ * Removes the given paths and everything under them from a manifest, in one pass that
+ * yields to the loop (the view holds up to the quota's entries, at any depth). Exported
+ * for bench/loop-gaps.ts.
+ */
+export async function removeWithChildren(view: Manifest, gone: Set<string>): Promise<void> {
   if (gone.size === 0) return;
-  for (const k of [...view.keys()]) if (gone.has(k) || hasAncestorIn(k, gone)) view.delete(k);
-}
-
-/** Whether a proper ancestor of `key` is in `set`: one lookup per level, whatever the set's size. */
-function hasAncestorIn(key: string, set: ReadonlySet<string>): boolean {
-  for (let i = key.lastIndexOf('/'); i > 0; i = key.lastIndexOf('/', i - 1)) if (set.has(key.slice(0, i))) return true;
-  return false;
+  const under = new AncestorTest((p) => gone.has(p));
+  const slice = new LoopSlicer();
+  let n = 0;
+  for (const k of [...view.keys()]) {
+    if (++n % TICK_EVERY === 0) await slice.tick();
+    if (under.selfOrAncestor(k)) view.delete(k);
+  }
 }
