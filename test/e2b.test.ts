@@ -159,6 +159,10 @@ describe('the e2b SDK against hutch', () => {
     // Not recursive: one directory, whatever lies below it.
     const flat = await sbx.files.watchDir('/work/big', () => undefined);
     await flat.stop();
+    // Nor a tree deeper than 64 levels (chokidar's work per event grows with the depth).
+    await sbx.files.makeDir('/work/deep');
+    await sbx.commands.run('cd /work/deep && python3 -c "import os\nfor i in range(70): os.mkdir(\'a\'); os.chdir(\'a\')"');
+    await expect(sbx.files.watchDir('/work/deep', () => undefined, { recursive: true })).rejects.toThrow(/more than 64 levels deep/);
     await sbx.files.makeDir('/work/small/a');
     let ended: Error | undefined;
     let exited = false;

@@ -11,7 +11,7 @@ import { watchTree } from '../sync/watch-tree.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { isAtomicTempName } from '../../../guest-agent/src/workspace/atomic-write.ts';
 import type { Session } from '../sessions/session.ts';
-import { MAX_WATCHED_DIRS } from '../sync/host-changes.ts';
+import { depthBelow, MAX_WATCHED_DEPTH, MAX_WATCHED_DIRS } from '../sync/host-changes.ts';
 import { watchBudget } from '../sync/watch-budget.ts';
 
 export interface FsEvent {
@@ -56,12 +56,14 @@ export async function watchDir(s: Session, path: string, recursive: boolean, onE
   const ignored = (p: string, stats?: { isDirectory(): boolean }): boolean => {
     if (tooBig) return true;
     if (!stats?.isDirectory() || dirs.has(p)) return false;
-    if (dirs.size < MAX_WATCHED_DIRS && watchBudget.take()) {
+    const tooDeep = depthBelow(abs, p) > MAX_WATCHED_DEPTH;
+    if (!tooDeep && dirs.size < MAX_WATCHED_DIRS && watchBudget.take()) {
       dirs.add(p);
       return false;
     }
-    tooBig =
-      dirs.size >= MAX_WATCHED_DIRS
+    tooBig = tooDeep
+      ? new HutchError('too_large', `${path} holds directories more than ${MAX_WATCHED_DEPTH} levels deep; watch a shallower part of the workspace`, { path, limit: MAX_WATCHED_DEPTH })
+      : dirs.size >= MAX_WATCHED_DIRS
         ? new HutchError('too_large', `${path} holds more than ${MAX_WATCHED_DIRS} directories; watch a smaller part of the workspace`, { path, limit: MAX_WATCHED_DIRS })
         : new HutchError('busy', `the broker watches as many directories as it may (${watchBudget.maxDirs}); try again later or watch less`, { path });
     // While it is set up the crawl runs on (ignoring the rest) to its 'ready', and fails there.

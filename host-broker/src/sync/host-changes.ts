@@ -136,7 +136,7 @@ export class HostChangeTracker {
 }
 
 /** Levels of `path` below `root` (`root/a/b`: 2), counting separators without building strings. */
-function depthBelow(root: string, path: string): number {
+export function depthBelow(root: string, path: string): number {
   let n = 0;
   for (let i = path.indexOf('/', root.length); i !== -1; i = path.indexOf('/', i + 1)) n++;
   return n;
