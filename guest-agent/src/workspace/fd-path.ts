@@ -2,6 +2,7 @@ import { closeSync, constants, fstatSync, lstatSync, mkdirSync, openSync, promis
 import { randomBytes } from 'node:crypto';
 import { promisify } from 'node:util';
 import { HutchError } from '../protocol/errors.ts';
+import { LoopSlicer } from './work-budget.ts';
 
 /**
  * Operations relative to an open directory, the way openat(2), mkdirat(2), unlinkat(2)...
@@ -235,6 +236,8 @@ export async function removeTreeAt(dirFd: number, name: Uint8Array): Promise<voi
     const tag = `.hutch-rm-${randomBytes(6).toString('hex')}-`;
     // Directories directly in `top` still to empty; `top`'s own entries come first.
     const pending: Array<Uint8Array | undefined> = [undefined];
+    // An unlink per entry: a directory of 100,000 files must not hold the loop for all of them.
+    const slice = new LoopSlicer();
     while (pending.length > 0) {
       const sub = pending.pop();
       let fd = top;
@@ -251,6 +254,7 @@ export async function removeTreeAt(dirFd: number, name: Uint8Array): Promise<voi
       }
       try {
         for (const e of await readDirAt(fd)) {
+          await slice.tick();
           if (e.type === 'dir') {
             if (sub === undefined) {
               pending.push(e.name);
