@@ -151,7 +151,7 @@ export async function diffManifests(from: Manifest, to: Manifest): Promise<{ wri
 }
 
 /** Entries between ticks in the manifest's loops: a tick costs a promise, an entry far less. */
-const TICK_EVERY = 256;
+export const TICK_EVERY = 256;
 
 async function sortedList(paths: string[], tick: () => Promise<void>): Promise<string[]> {
   const out: string[] = [];

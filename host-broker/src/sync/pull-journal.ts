@@ -303,11 +303,6 @@ function orderOps(all: Map<string, Op>): { ops: Op[]; keys: string[] } {
 }
 
 /**
- * Applies operations one by one, yielding after each; each is safe to run twice. Every
- * entry is reached through its parent directory's fd, opened without following symlinks
- * (sync-path.ts), and staged entries move in with rename(2) between two held directories.
- */
-/**
  * How a directory in the way is removed: by a pull, through fds and yielding to the loop
  * between entries (removeTreeAt: a tenant's tree of 2,000 nested directories held the
  * broker's loop 0.8 s in one synchronous rm); by the replay at open, synchronously.
@@ -315,7 +310,13 @@ function orderOps(all: Map<string, Op>): { ops: Op[]; keys: string[] } {
 type RemoveTree = (dirFd: number, name: Buffer) => Promise<void> | void;
 const removeTreeSync: RemoveTree = (dirFd, name) => rmSync(at(dirFd, name), { recursive: true, force: true });
 
-/** Yields after each operation; an operation still under way (a tree's removal) is the yielded promise, to await before the next. */
+/**
+ * Applies operations one by one, yielding after each; each is safe to run twice. Every
+ * entry is reached through its parent directory's fd, opened without following symlinks
+ * (sync-path.ts), and staged entries move in with rename(2) between two held directories.
+ * An operation still under way (a tree's removal) is the yielded promise, to await before
+ * the next.
+ */
 function* applySteps(stageDir: string, root: Buffer, ops: Op[], errors: PullError[], removeTree: RemoveTree = removeTreeSync): Generator<Promise<void> | undefined> {
   const rootFd = openSyncRoot(root);
   // Operations come parents first, so consecutive ones mostly share a parent: open it once.
@@ -384,12 +385,13 @@ function applyOne(parents: SyncParentCache, filesFd: number | undefined, raw: Bu
         return;
       }
       case 'write':
-      case 'symlink':
+      case 'symlink': {
         const moveIn = () => renameAt(filesFd as number, Buffer.from(String(o.s)), dir, name);
         const removing = st?.isDirectory() ? removeTree(dir, name) : undefined;
         if (removing) return removing.then(moveIn);
         moveIn();
         return;
+      }
     }
   }
 }

@@ -11,7 +11,7 @@ import type { WorkspaceSync } from '../../../guest-agent/src/workspace/sync.ts';
 import { readSmallFile } from '../../../guest-agent/src/workspace/sync-path.ts';
 import { LoopSlicer } from '../../../guest-agent/src/workspace/work-budget.ts';
 import type { AgentClient } from '../agent-client.ts';
-import { diffManifests, HostTree, scanTree, type Manifest, type ManifestEntry } from './manifest.ts';
+import { diffManifests, HostTree, scanTree, TICK_EVERY, type Manifest, type ManifestEntry } from './manifest.ts';
 import { PullStage, type PullError, type PullHook } from './pull-journal.ts';
 
 export type { PullError } from './pull-journal.ts';
@@ -26,8 +26,6 @@ const BATCH_STREAMS = 8;
 const CHANGE_OVERHEAD_BYTES = 96;
 /** Host paths a push checks one by one; more and it scans the whole tree once. */
 const PARTIAL_PUSH_MAX = 1024;
-/** Entries between ticks in loops over a whole manifest: a tick costs a promise, an entry far less. */
-const TICK_EVERY = 256;
 /** Inline files of a change-set batch staged at once. */
 const STAGE_CONCURRENCY = 16;
 
