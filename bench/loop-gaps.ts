@@ -15,9 +15,15 @@
  *                  a pull that deleted its top); baselines deep_diff_per_key_walk and
  *                  deep_remove_per_key_walk, the previous code (every ancestor of every key
  *                  sliced and looked up: cubic in the depth)
+ *   Routing a tenant's call: route (the router on the worst of a set of 64 KiB commands, each
+ *                  past the syntax budget), git_config (the git check on a repository whose
+ *                  .git/config is 64 MiB), git_nested (the check for nested repositories in the
+ *                  100,000-file tree); baselines route_unbounded_parse (tree-sitter parsing those
+ *                  commands to the end, the least an unbounded router pays) and git_config_read
+ *                  (reading and scanning that config whole, the previous code)
  * Raw per-round numbers are kept in the raw line.
  */
-import { closeSync, mkdirSync, mkdtempSync, openSync, rmSync } from 'node:fs';
+import { closeSync, mkdirSync, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { promises as fsp } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -30,6 +36,10 @@ import { diffManifests, scanTree, type Manifest } from '../host-broker/src/sync/
 import { removeWithChildren } from '../host-broker/src/sync/workspace-mirror.ts';
 import { execFileSync } from 'node:child_process';
 import { measureWorkspace } from '../host-broker/src/sessions/workspace-quota.ts';
+import { createRequire } from 'node:module';
+import { Language, Parser } from 'web-tree-sitter';
+import { gitConfigHazard, programKey } from '../host-broker/src/router/git-config.ts';
+import { initRouter, MAX_ROUTED_LENGTH, routeCall } from '../host-broker/src/router/index.ts';
 import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
 
 const args = benchArgs();
@@ -78,6 +88,24 @@ function perKeyAncestor(key: string, test: (a: string) => boolean): boolean {
   return false;
 }
 
+// Commands a tenant may send (each just under the length limit) whose syntax is far past
+// the router's budget, and a repository with a configuration far past what the check reads.
+const fill = (head: string, unit: string, tail = '') => head + unit.repeat(Math.floor((MAX_ROUTED_LENGTH - head.length - tail.length - 1) / unit.length)) + tail;
+const heavyCommands = [
+  fill('ls ', 'a '),
+  fill('echo ', '"a"'),
+  fill('cat a', ' | cat a'),
+  fill('cat > f.sh <<EOF\n', 'echo $x and $y\n', 'EOF'),
+  fill('', '('),
+];
+await initRouter();
+const rawParser = new Parser();
+rawParser.setLanguage(await Language.load(createRequire(import.meta.url).resolve('tree-sitter-bash/tree-sitter-bash.wasm')));
+const gitRoot = mkdtempSync(join(tmpdir(), 'hutch-bench-git-'));
+process.on('exit', () => rmSync(gitRoot, { recursive: true, force: true }));
+mkdirSync(join(gitRoot, '.git'));
+writeFileSync(join(gitRoot, '.git', 'config'), '[core]\n\tbare = false\n'.repeat(3_000_000));
+
 const tools = new FileTools(new Workspace(root));
 const scanned = await scanTree(root);
 const walkers: Record<string, () => Promise<unknown>> = {
@@ -89,6 +117,14 @@ const walkers: Record<string, () => Promise<unknown>> = {
   deep_scan: () => scanTree(deepRoot),
   deep_diff: () => diffManifests(new Map(), deepScanned),
   deep_remove: () => removeWithChildren(new Map(deepScanned), new Set(['d'])),
+  route: async () => {
+    for (const command of heavyCommands) {
+      await routeCall({ command });
+      await new Promise((r) => setImmediate(r)); // calls arrive one by one, not in one turn
+    }
+  },
+  git_config: () => gitConfigHazard(gitRoot),
+  git_nested: () => gitConfigHazard(root, { nested: true }),
 };
 const baselines: Record<string, () => Promise<unknown>> = {
   readdir: () => fsp.readdir(wide, { withFileTypes: true, encoding: 'buffer' }),
@@ -106,6 +142,13 @@ const baselines: Record<string, () => Promise<unknown>> = {
     const gone = new Set(['d']);
     for (const k of [...view.keys()]) if (gone.has(k) || perKeyAncestor(k, (a) => gone.has(a))) view.delete(k);
   },
+  route_unbounded_parse: async () => {
+    for (const command of heavyCommands) {
+      rawParser.parse(command)?.delete();
+      await new Promise((r) => setImmediate(r));
+    }
+  },
+  git_config_read: async () => programKey(readFileSync(join(gitRoot, '.git', 'config'), 'utf8')),
 };
 
 const raw: Record<string, Array<{ gap: number; ms: number }>> = {};

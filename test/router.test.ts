@@ -2,10 +2,11 @@ import { mkdirSync, mkdtempSync, rmSync, symlinkSync, writeFileSync } from 'node
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
-import { FASTPATH_BINARIES, hostBinaryReport, initRouter, routeCommand, type RouteDecision } from '../host-broker/src/router/index.ts';
+import { FASTPATH_BINARIES, hostBinaryReport, initRouter, MAX_ROUTED_LENGTH, routeCommand, type RouteDecision } from '../host-broker/src/router/index.ts';
+import { expandWord } from '../host-broker/src/router/words.ts';
 import { sandboxCanRun } from '../host-broker/src/router/host.ts';
 import { analyseSed } from '../host-broker/src/router/sed.ts';
-import { parseScript } from '../host-broker/src/router/parser.ts';
+import { MAX_SYNTAX_NODES, parseScript } from '../host-broker/src/router/parser.ts';
 
 /** Table tests must not depend on what this host happens to have installed. */
 const everyBinary = { canRun: () => true };
@@ -375,6 +376,47 @@ describe('decision details', () => {
   it('sends over-long commands to the VM without parsing them', () => {
     const d = route(`echo ${'x'.repeat(300 * 1024)}`);
     expect(d).toMatchObject({ route: 'vm', code: 'too_long' });
+  });
+
+  it("bounds one command's work on the broker's loop: syntax past the budget goes to the VM unanalysed", () => {
+    // Each of these is under MAX_ROUTED_LENGTH and held the loop for 0.1-3 s (at 256 KiB).
+    const n = MAX_SYNTAX_NODES;
+    const heavy = [
+      'ls ' + 'a '.repeat(n),
+      'cat a' + ' | cat a'.repeat(n / 2),
+      'echo ' + '"a"'.repeat(n),
+      'ls' + '; ls'.repeat(n),
+      'echo ' + '$('.repeat(n) + ')'.repeat(n),
+      'cat > f.sh <<EOF\n' + 'echo $x and $y\n'.repeat(n) + 'EOF',
+      'find . ' + '-name x -o '.repeat(n / 2) + '-name y',
+    ];
+    for (const c of heavy) {
+      expect(c.length, c.slice(0, 20)).toBeLessThanOrEqual(MAX_ROUTED_LENGTH);
+      expect(route(c), c.slice(0, 20)).toMatchObject({ route: 'vm', code: 'too_complex' });
+    }
+    // Within the budget a long command is still analysed, and a cancelled parse leaves
+    // nothing behind in the parser for the next command.
+    expect(route('ls ' + 'a '.repeat(n / 4))).toMatchObject({ route: 'fastpath' });
+    expect(route('cat a.txt')).toMatchObject({ route: 'fastpath', commands: ['cat'] });
+    // Nesting deeper than the analysis recurses is a route, not a thrown RangeError.
+    const deep = '('.repeat(n / 3) + 'ls' + ')'.repeat(n / 3);
+    expect(() => route(deep)).not.toThrow();
+    expect(route(deep).route).toBe('vm');
+  });
+
+  it('expands brace lists in one pass per group, and refuses one that would explode', () => {
+    // Words as the parser gives them (a whole command this size is past the node budget, but
+    // the expansion must not rely on that): unquoted text.
+    const word = (text: string) => ({ parts: [{ kind: 'text' as const, text, quoted: false }], source: text, start: 5 });
+    // 20,000 unclosed `{a,`: matched from each `{` in turn this took minutes.
+    const open = 'x' + '{a,'.repeat(20_000);
+    expect(expandWord(word(open), new Map())).toMatchObject({ ok: true, words: [{ value: open }] });
+    // Nested groups: few words, but each one as long as the whole word.
+    const nested = 'x'.repeat(20_000) + '{a,'.repeat(200) + 'b' + '}'.repeat(200);
+    expect(expandWord(word(nested), new Map())).toMatchObject({ ok: false, reason: expect.stringMatching(/too many words/) });
+    // Ordinary lists still expand as bash does.
+    expect(expandWord(word('{a,{b,c}}d{x}'), new Map())).toMatchObject({ ok: true, words: [{ value: 'ad{x}' }, { value: 'bd{x}' }, { value: 'cd{x}' }] });
+    expect(expandWord(word('{x}{a,b}'), new Map())).toMatchObject({ ok: true, words: [{ value: '{x}a' }, { value: '{x}b' }] });
   });
 
   it('tracks variables assigned earlier in the same command', () => {

@@ -1,11 +1,11 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { execFileSync } from 'node:child_process';
-import { appendFileSync, chmodSync, existsSync, mkdirSync, mkdtempSync, writeFileSync } from 'node:fs';
+import { appendFileSync, chmodSync, existsSync, mkdirSync, mkdtempSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { FastPath } from '../../host-broker/src/fastpath/index.ts';
 import { gitConfigHazard, initRouter, routeCall } from '../../host-broker/src/router/index.ts';
-import { programKey } from '../../host-broker/src/router/git-config.ts';
+import { MAX_CONFIG_BYTES, MAX_ENTRIES, programKey } from '../../host-broker/src/router/git-config.ts';
 import { startBroker, type TestBroker } from '../helpers/broker.ts';
 
 /**
@@ -28,20 +28,20 @@ function repo(dir: string, config: string): void {
 describe('router: env, forced routes and repository configuration', () => {
   beforeAll(() => initRouter());
 
-  it('takes the call environment into the decision', () => {
-    expect(routeCall({ command: 'cat a.txt' })).toMatchObject({ route: 'fastpath' });
-    expect(routeCall({ command: 'cat a.txt', env: { LANG: 'C', LC_ALL: 'C.UTF-8', TZ: 'UTC' } })).toMatchObject({ route: 'fastpath' });
+  it('takes the call environment into the decision', async () => {
+    expect(await routeCall({ command: 'cat a.txt' })).toMatchObject({ route: 'fastpath' });
+    expect(await routeCall({ command: 'cat a.txt', env: { LANG: 'C', LC_ALL: 'C.UTF-8', TZ: 'UTC' } })).toMatchObject({ route: 'fastpath' });
     for (const k of ['LD_PRELOAD', 'LD_LIBRARY_PATH', 'BASH_ENV', 'ENV', 'GIT_CONFIG_COUNT', 'GIT_EXTERNAL_DIFF', 'PATH', 'PAGER']) {
-      expect(routeCall({ command: 'cat a.txt', env: { [k]: '/tmp/x' } }), k).toMatchObject({ route: 'vm', code: 'call_env' });
+      expect(await routeCall({ command: 'cat a.txt', env: { [k]: '/tmp/x' } }), k).toMatchObject({ route: 'vm', code: 'call_env' });
     }
   });
 
-  it('lets a caller force only the safer route', () => {
-    expect(routeCall({ command: 'ls', forced: 'vm' })).toMatchObject({ route: 'vm', code: 'forced' });
-    const d = routeCall({ command: 'python3 -c "import os; os.system(\'id\')"', forced: 'fastpath' });
+  it('lets a caller force only the safer route', async () => {
+    expect(await routeCall({ command: 'ls', forced: 'vm' })).toMatchObject({ route: 'vm', code: 'forced' });
+    const d = await routeCall({ command: 'python3 -c "import os; os.system(\'id\')"', forced: 'fastpath' });
     expect(d.route).toBe('vm');
     expect(d.reason).toMatch(/only the VM can be forced/);
-    expect(routeCall({ command: 'ls', forced: 'fastpath' })).toMatchObject({ route: 'fastpath' });
+    expect(await routeCall({ command: 'ls', forced: 'fastpath' })).toMatchObject({ route: 'fastpath' });
   });
 
   it('reads the keys of a git config that run programs', () => {
@@ -55,21 +55,58 @@ describe('router: env, forced routes and repository configuration', () => {
     expect(programKey('[core]\n\tbare = false\n\tfilemode = true\n[user]\n\tname = x\n')).toBeNull();
   });
 
-  it('sends git to the VM where the repository names a program, and keeps it on the fast path otherwise', () => {
+  it('sends git to the VM where the repository names a program, and keeps it on the fast path otherwise', async () => {
     const ws = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
     repo(ws, '');
     const hazard = (o: { nested: boolean }) => gitConfigHazard(ws, o);
-    expect(routeCall({ command: 'git status', gitHazard: hazard })).toMatchObject({ route: 'fastpath' });
+    expect(await routeCall({ command: 'git status', gitHazard: hazard })).toMatchObject({ route: 'fastpath' });
     writeFileSync(join(ws, '.git', 'config'), '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = /work/mon.sh\n');
-    expect(routeCall({ command: 'git status', gitHazard: hazard })).toMatchObject({ route: 'vm', code: 'git_config', reason: expect.stringMatching(/core\.fsmonitor/) });
+    expect(await routeCall({ command: 'git status', gitHazard: hazard })).toMatchObject({ route: 'vm', code: 'git_config', reason: expect.stringMatching(/core\.fsmonitor/) });
     // Commands without git are not held back by the repository.
-    expect(routeCall({ command: 'cat f.txt', gitHazard: hazard })).toMatchObject({ route: 'fastpath' });
+    expect(await routeCall({ command: 'cat f.txt', gitHazard: hazard })).toMatchObject({ route: 'fastpath' });
     // A nested repository counts when the command changes directory.
     const ws2 = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
     repo(join(ws2, 'sub'), '[diff]\n\texternal = /work/sub/d.sh\n');
-    expect(routeCall({ command: 'git status', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'fastpath' });
-    expect(routeCall({ command: 'cd sub && git diff', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'vm', code: 'git_config' });
-    expect(routeCall({ command: 'git -C sub diff', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'vm', code: 'git_config' });
+    expect(await routeCall({ command: 'git status', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'fastpath' });
+    expect(await routeCall({ command: 'cd sub && git diff', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'vm', code: 'git_config' });
+    expect(await routeCall({ command: 'git -C sub diff', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'vm', code: 'git_config' });
+  });
+
+  it('reads a tenant-sized repository within bounds, and never through a symlink', async () => {
+    const nested = (ws: string, command = 'cd sub && git status') => routeCall({ command, gitHazard: (o) => gitConfigHazard(ws, o) });
+    // A configuration too large to read is a reason for the VM, not a read of it on the loop.
+    const big = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
+    repo(big, '');
+    appendFileSync(join(big, '.git', 'config'), '[core]\n\tbare = false\n'.repeat(Math.ceil(MAX_CONFIG_BYTES / 20)));
+    expect(await nested(big, 'git status')).toMatchObject({ route: 'vm', code: 'git_config', reason: expect.stringMatching(/\.git\/config is \d+ bytes, over/) });
+    // A FIFO in a config's place is named, not opened (an open would wait for a writer).
+    const fifo = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
+    repo(fifo, '');
+    execFileSync('mkfifo', [join(fifo, '.git', 'config.worktree')]);
+    expect(await nested(fifo, 'git status')).toMatchObject({ route: 'vm', reason: expect.stringMatching(/config\.worktree is not a regular file/) });
+    // Submodule configurations are read, a .git/modules past the entry budget is not walked to its end.
+    const mods = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
+    repo(mods, '');
+    mkdirSync(join(mods, '.git', 'modules', 'lib'), { recursive: true });
+    writeFileSync(join(mods, '.git', 'modules', 'lib', 'config'), '[core]\n\tpager = ./p.sh\n');
+    expect(await nested(mods, 'git status')).toMatchObject({ route: 'vm', reason: expect.stringMatching(/modules\/lib\/config sets core\.pager/) });
+    const wide = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
+    repo(join(wide, 'sub'), '');
+    mkdirSync(join(wide, 'many'));
+    for (let i = 0; i <= MAX_ENTRIES; i++) writeFileSync(join(wide, 'many', `f${i}`), '');
+    expect(await nested(wide, 'git status')).toMatchObject({ route: 'fastpath' }); // the root alone is cheap
+    expect(await nested(wide)).toMatchObject({ route: 'vm', reason: expect.stringMatching(/too many entries/) });
+    // A directory that is a symlink out of the workspace is not followed: the repository
+    // behind it is never read (inside the fast path's sandbox the link leads nowhere).
+    const outside = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-out-'));
+    repo(outside, '[core]\n\tfsmonitor = /x.sh\n');
+    const linked = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
+    mkdirSync(join(linked, 'real'));
+    symlinkSync(outside, join(linked, 'sub'));
+    const d = await nested(linked);
+    expect(d.reason ?? '').not.toMatch(/fsmonitor/);
+    symlinkSync(join(outside, '.git'), join(linked, 'real', '.git'));
+    expect(await nested(linked, 'cd real && git status')).toMatchObject({ route: 'vm', reason: 'real/.git is a symlink' });
   });
 
   describe('through a broker', () => {

@@ -39,6 +39,8 @@ export type RouteCode =
   | 'host'
   | 'home'
   | 'too_long'
+  /** More syntax than the router analyses on the broker's loop (too many nodes, too deep). */
+  | 'too_complex'
   /** The call's own environment (LD_PRELOAD, GIT_*, PATH...) could change what runs. */
   | 'call_env'
   /** A repository's configuration names a program git would run. */

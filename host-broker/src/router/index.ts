@@ -9,12 +9,12 @@
  *   await initRouter();               // once: loads the parser (wasm), probes host binaries
  *   routeCommand('git diff --stat');  // sync, tens of microseconds
  */
-import { classifyScript, type RouteCode } from './classify.ts';
+import { classifyScript, type RouteCode, type Verdict } from './classify.ts';
 import { probeHostBinaries } from './host.ts';
 import { isWithin } from './paths.ts';
 import { initShellParser, parseScript } from './parser.ts';
 import { FASTPATH_BINARIES } from './rules.ts';
-import type { ProblemCode } from './script.ts';
+import type { ProblemCode, Script } from './script.ts';
 
 export type { RouteCode } from './classify.ts';
 export { gitConfigHazard } from './git-config.ts';
@@ -46,8 +46,11 @@ export interface RouteOptions {
   canRun?: (name: string) => boolean;
 }
 
-/** Longer commands (large here-documents) go to the VM without parsing. */
-export const MAX_ROUTED_LENGTH = 256 * 1024;
+/**
+ * Longer commands (large here-documents) go to the VM without parsing: a parse is linear
+ * in the bytes, and even a here-document's body costs the broker's loop about 0.2 ms a KiB.
+ */
+export const MAX_ROUTED_LENGTH = 64 * 1024;
 
 let hostBinaries: Map<string, boolean> | null = null;
 let initializing: Promise<void> | null = null;
@@ -78,6 +81,7 @@ const PROBLEM_CODE: Record<ProblemCode, RouteCode> = {
   background: 'construct',
   declaration: 'construct',
   unsupported: 'construct',
+  too_complex: 'too_complex',
 };
 
 export function routeCommand(command: string, opts: RouteOptions = {}): RouteDecision {
@@ -87,16 +91,24 @@ export function routeCommand(command: string, opts: RouteOptions = {}): RouteDec
     return vm('too_long', `the command is longer than ${MAX_ROUTED_LENGTH / 1024} KiB, too long to analyse`);
   }
   if (command.trim() === '') return { route: 'fastpath', code: 'empty', reason: 'the command is empty', commands: [], writes: [] };
-  const script = parseScript(command);
-  const problem = script.problems[0];
-  if (problem) return vm(PROBLEM_CODE[problem.code], problem.message);
-  if (script.steps.length === 0) return { route: 'fastpath', code: 'empty', reason: 'the command has only comments', commands: [], writes: [] };
-  const changed = opts.homeChanged ?? false;
-  const verdict = classifyScript(script, {
-    homeChanged: (paths) =>
-      changed === true || (Array.isArray(changed) && changed.some((c) => paths.some((p) => isWithin(stripHome(c), p)))),
-    canRun: opts.canRun ?? ((name) => probe.get(name) === true),
-  });
+  let script: Script;
+  let verdict: Verdict;
+  try {
+    script = parseScript(command);
+    const problem = script.problems[0];
+    if (problem) return vm(PROBLEM_CODE[problem.code], problem.message);
+    if (script.steps.length === 0) return { route: 'fastpath', code: 'empty', reason: 'the command has only comments', commands: [], writes: [] };
+    const changed = opts.homeChanged ?? false;
+    verdict = classifyScript(script, {
+      homeChanged: (paths) =>
+        changed === true || (Array.isArray(changed) && changed.some((c) => paths.some((p) => isWithin(stripHome(c), p)))),
+      canRun: opts.canRun ?? ((name) => probe.get(name) === true),
+    });
+  } catch (err) {
+    // Within the node budget a command can still nest deeper than the analysis recurses.
+    if (err instanceof RangeError) return vm('too_complex', 'the command nests too deeply to analyse');
+    throw err;
+  }
   return {
     route: verdict.ok ? 'fastpath' : 'vm',
     code: verdict.code,
@@ -126,7 +138,7 @@ export interface CallRouteRequest {
    * program), or null; asked only when the command runs git. `nested`: the command
    * changes directory, so repositories below the root count too. See git-config.ts.
    */
-  gitHazard?: (opts: { nested: boolean }) => string | null;
+  gitHazard?: (opts: { nested: boolean }) => Promise<string | null>;
   canRun?: RouteOptions['canRun'];
 }
 
@@ -134,7 +146,7 @@ export interface CallRouteRequest {
  * The whole routing decision of one bash call: the command, its environment, the caller's
  * forced route (only ever towards the VM) and, for git, the repository's configuration.
  */
-export function routeCall(req: CallRouteRequest): RouteDecision {
+export async function routeCall(req: CallRouteRequest): Promise<RouteDecision> {
   if (req.forced === 'vm') return vm('forced', 'route forced to the VM by the caller');
   const unsafeEnv = Object.keys(req.env ?? {}).filter((k) => !SAFE_CALL_ENV.test(k));
   const asked = req.forced === 'fastpath' ? ' (the caller asked for the fast path; only the VM can be forced)' : '';
@@ -146,7 +158,7 @@ export function routeCall(req: CallRouteRequest): RouteDecision {
   if (d.route !== 'fastpath') return asked ? { ...d, reason: d.reason + asked } : d;
   if (d.commands.includes('git') && req.gitHazard) {
     const nested = d.commands.includes('cd') || /\s-C\s/.test(req.command);
-    const why = req.gitHazard({ nested });
+    const why = await req.gitHazard({ nested });
     if (why) return { route: 'vm', code: 'git_config', reason: why, commands: d.commands, writes: [] };
   }
   return d;

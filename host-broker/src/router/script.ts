@@ -94,7 +94,8 @@ export type ProblemCode =
   | 'control_flow'
   | 'background'
   | 'declaration'
-  | 'unsupported';
+  | 'unsupported'
+  | 'too_complex';
 
 /** A construct the adapter cannot prove faithful; any problem sends the command to the VM. */
 export interface Problem {

@@ -31,6 +31,8 @@ const NUMERIC_PARAMS: Record<string, string> = {
 
 /** How many words one brace expansion may produce before we give up on it. */
 const MAX_BRACE_WORDS = 256;
+/** How many characters the words of one brace expansion may add up to, intermediate ones included. */
+const MAX_BRACE_CHARS = 64 * 1024;
 
 const GLOB_CHARS = new Set(['*', '?', '[']);
 
@@ -125,24 +127,26 @@ function describe(c: Chars, source: string): Expanded {
 
 /**
  * Bash brace expansion of comma lists (`{a,b}`, nested, with prefix and suffix), on unquoted
- * braces only. `{}` and `{x}` stay literal, as in bash. Null when it would explode.
+ * braces only. `{}` and `{x}` stay literal, as in bash. Null when it would explode: more
+ * than MAX_BRACE_WORDS words, or more than MAX_BRACE_CHARS characters built on the way (a
+ * 256 KiB word of nested groups is within the first bound and far past the second).
  */
-function braceExpand(c: Chars): Chars[] | null {
+function braceExpand(c: Chars, budget = { chars: MAX_BRACE_CHARS }): Chars[] | null {
   const group = findBraceGroup(c);
   if (!group) return [c];
   const { open, close, commas } = group;
-  const slice = (a: number, b: number): Chars => ({ text: c.text.slice(a, b), quoted: c.quoted.slice(a, b) });
-  const prefix = slice(0, open);
-  const suffix = slice(close + 1, c.text.length);
   const bounds = [open, ...commas, close];
   const out: Chars[] = [];
   for (let k = 0; k + 1 < bounds.length; k++) {
-    const alt = slice((bounds[k] as number) + 1, bounds[k + 1] as number);
+    const a = (bounds[k] as number) + 1;
+    const b = bounds[k + 1] as number;
+    budget.chars -= open + (b - a) + (c.text.length - close - 1);
+    if (budget.chars < 0) return null;
     const joined: Chars = {
-      text: [...prefix.text, ...alt.text, ...suffix.text],
-      quoted: [...prefix.quoted, ...alt.quoted, ...suffix.quoted],
+      text: [...c.text.slice(0, open), ...c.text.slice(a, b), ...c.text.slice(close + 1)],
+      quoted: [...c.quoted.slice(0, open), ...c.quoted.slice(a, b), ...c.quoted.slice(close + 1)],
     };
-    const sub = braceExpand(joined);
+    const sub = braceExpand(joined, budget);
     if (sub === null) return null;
     out.push(...sub);
     if (out.length > MAX_BRACE_WORDS) return null;
@@ -150,23 +154,25 @@ function braceExpand(c: Chars): Chars[] | null {
   return out;
 }
 
+/**
+ * The leftmost unquoted `{` whose matching `}` has a comma at its own level, in one pass:
+ * every `{` is matched with a stack, each comma belongs to the innermost open one. (Matching
+ * from each `{` in turn was quadratic: 144 s of the broker's loop for one word of 85,000
+ * unclosed `{a,`.)
+ */
 function findBraceGroup(c: Chars): { open: number; close: number; commas: number[] } | null {
-  for (let open = 0; open < c.text.length; open++) {
-    if (c.text[open] !== '{' || c.quoted[open]) continue;
-    let depth = 0;
-    const commas: number[] = [];
-    for (let i = open + 1; i < c.text.length; i++) {
-      if (c.quoted[i]) continue;
-      const ch = c.text[i];
-      if (ch === '{') depth++;
-      else if (ch === '}') {
-        if (depth === 0) {
-          if (commas.length > 0) return { open, close: i, commas };
-          break; // `{x}`: literal; look for a later group
-        }
-        depth--;
-      } else if (ch === ',' && depth === 0) commas.push(i);
+  const stack: Array<{ open: number; commas: number[] }> = [];
+  let best: { open: number; close: number; commas: number[] } | null = null;
+  for (let i = 0; i < c.text.length; i++) {
+    if (c.quoted[i]) continue;
+    const ch = c.text[i];
+    if (ch === '{') stack.push({ open: i, commas: [] });
+    else if (ch === ',' && stack.length > 0) (stack[stack.length - 1] as { commas: number[] }).commas.push(i);
+    else if (ch === '}') {
+      const g = stack.pop();
+      // `{x}` is literal; of the groups with commas the leftmost opening one goes first.
+      if (g && g.commas.length > 0 && (!best || g.open < best.open)) best = { open: g.open, close: i, commas: g.commas };
     }
   }
-  return null;
+  return best;
 }

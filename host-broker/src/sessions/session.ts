@@ -258,7 +258,7 @@ export class Session {
     const decision = sinks.stdin
       ? { route: 'vm' as const, reason: 'stdin is streamed: only the VM takes a stream' }
       : this.deps.policy.routing
-      ? routeCall({ command: a.command, env: a.env, forced: a.route, homeChanged: this.vm.homeChanges(), gitHazard: (o) => gitConfigHazard(this.workspaceDir, o) })
+      ? await routeCall({ command: a.command, env: a.env, forced: a.route, homeChanged: this.vm.homeChanges(), gitHazard: (o) => gitConfigHazard(this.workspaceDir, o) })
       : { route: 'vm' as const, reason: 'routing off: every call runs in the VM' };
     routed.route = decision.route;
     const timeoutMs = a.timeout ?? (a.timeout_s !== undefined ? Math.round(a.timeout_s * 1000) : DEFAULT_BASH_TIMEOUT_MS);
