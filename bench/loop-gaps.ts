@@ -21,6 +21,10 @@
  *                  100,000-file tree); baselines route_unbounded_parse (tree-sitter parsing those
  *                  commands to the end, the least an unbounded router pays) and git_config_read
  *                  (reading and scanning that config whole, the previous code)
+ *   Decoding a tenant's request: frames (four 16 MiB WebSocket frames as the broker takes
+ *                  them, shape checked then decoded: nested `[[[...]]]`, 16 million empty
+ *                  msgpack maps, all whitespace, a string of escaped quotes); baseline
+ *                  frames_unchecked (the same decoded straight away, the previous code)
  * Raw per-round numbers are kept in the raw line.
  */
 import { closeSync, mkdirSync, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
@@ -40,6 +44,8 @@ import { createRequire } from 'node:module';
 import { Language, Parser } from 'web-tree-sitter';
 import { gitConfigHazard, programKey } from '../host-broker/src/router/git-config.ts';
 import { initRouter, MAX_ROUTED_LENGTH, routeCall } from '../host-broker/src/router/index.ts';
+import { Packr } from 'msgpackr';
+import { checkMsgpackShape, parseJsonBounded } from '../guest-agent/src/protocol/value-shape.ts';
 import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
 
 const args = benchArgs();
@@ -98,6 +104,35 @@ const heavyCommands = [
   fill('cat > f.sh <<EOF\n', 'echo $x and $y\n', 'EOF'),
   fill('', '('),
 ];
+// WebSocket frames a tenant may send (16 MiB; the limit is 64): what decoding them costs.
+const FRAME = 16 * 1024 * 1024;
+const emptyMaps = Buffer.alloc(5 + FRAME, 0x80);
+emptyMaps[0] = 0xdd;
+emptyMaps.writeUInt32BE(FRAME, 1);
+const heavyFrames: Array<{ bin: boolean; data: Buffer }> = [
+  { bin: false, data: Buffer.from('['.repeat(FRAME / 2) + ']'.repeat(FRAME / 2)) },
+  { bin: true, data: emptyMaps },
+  { bin: false, data: Buffer.from('{"a":' + ' '.repeat(FRAME) + '1}') },
+  { bin: false, data: Buffer.from(JSON.stringify({ c: '"'.repeat(FRAME / 2) })) },
+];
+const framePackr = new Packr({ useRecords: false });
+async function decodeFrames(checked: boolean): Promise<void> {
+  for (const f of heavyFrames) {
+    try {
+      if (f.bin) {
+        if (checked) checkMsgpackShape(f.data);
+        framePackr.unpack(f.data);
+      } else {
+        const text = f.data.toString('utf8');
+        if (checked) parseJsonBounded(text);
+        else JSON.parse(text);
+      }
+    } catch {
+      // refused: what the broker answers with a typed error
+    }
+    await new Promise((r) => setImmediate(r)); // frames arrive one by one
+  }
+}
 await initRouter();
 const rawParser = new Parser();
 rawParser.setLanguage(await Language.load(createRequire(import.meta.url).resolve('tree-sitter-bash/tree-sitter-bash.wasm')));
@@ -125,6 +160,7 @@ const walkers: Record<string, () => Promise<unknown>> = {
   },
   git_config: () => gitConfigHazard(gitRoot),
   git_nested: () => gitConfigHazard(root, { nested: true }),
+  frames: () => decodeFrames(true),
 };
 const baselines: Record<string, () => Promise<unknown>> = {
   readdir: () => fsp.readdir(wide, { withFileTypes: true, encoding: 'buffer' }),
@@ -149,6 +185,7 @@ const baselines: Record<string, () => Promise<unknown>> = {
     }
   },
   git_config_read: async () => programKey(readFileSync(join(gitRoot, '.git', 'config'), 'utf8')),
+  frames_unchecked: () => decodeFrames(false),
 };
 
 const raw: Record<string, Array<{ gap: number; ms: number }>> = {};

@@ -7,6 +7,7 @@ import type { SignalSchema } from '../../../guest-agent/src/protocol/methods.ts'
 import { ReceiveBudget } from './receive-budget.ts';
 import { WebSocketServer, type WebSocket, type RawData } from 'ws';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import { checkMsgpackShape, parseJsonBounded } from '../../../guest-agent/src/protocol/value-shape.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { ClientMessageSchema, HARNESS_API_VERSION, OPS, type OpName } from './harness-protocol.ts';
 import type { Principals } from './principals.ts';
@@ -298,9 +299,14 @@ export class WsServer {
       let msg: unknown;
       try {
         const buf = Array.isArray(data) ? Buffer.concat(data) : Buffer.from(data as ArrayBuffer);
-        msg = isBinary ? packr.unpack(buf) : JSON.parse(buf.toString('utf8'));
+        if (isBinary) {
+          checkMsgpackShape(buf);
+          msg = packr.unpack(buf);
+        } else msg = parseJsonBounded(buf.toString('utf8'));
       } catch (err) {
-        send({ t: 'res', id: -1, e: new HutchError('bad_request', `undecodable ${isBinary ? 'msgpack' : 'JSON'} frame: ${(err as Error).message}`).toWire() }, isBinary);
+        // A shape past the limits keeps its own code (too_large, bad_request) and says which.
+        const e = err instanceof HutchError ? err : new HutchError('bad_request', `undecodable ${isBinary ? 'msgpack' : 'JSON'} frame: ${(err as Error).message}`);
+        send({ t: 'res', id: -1, e: e.toWire() }, isBinary);
         return;
       }
       const parsed = ClientMessageSchema.safeParse(msg);

@@ -9,6 +9,7 @@
  */
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import { HutchError, type ErrorCode } from '../../../guest-agent/src/protocol/errors.ts';
+import { parseJsonBounded } from '../../../guest-agent/src/protocol/value-shape.ts';
 
 const END_STREAM = 0x02;
 const COMPRESSED = 0x01;
@@ -100,7 +101,7 @@ export function requestMessage(req: IncomingMessage, body: Buffer): Record<strin
   }
   if (json.length === 0) return {};
   try {
-    const v = JSON.parse(json.toString('utf8')) as unknown;
+    const v = parseJsonBounded(json.toString('utf8'));
     if (v === null || typeof v !== 'object' || Array.isArray(v)) throw new Error('not an object');
     return v as Record<string, unknown>;
   } catch (err) {

@@ -21,6 +21,7 @@ import type { FileHandle } from 'node:fs/promises';
 import { pipeline } from 'node:stream/promises';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import { parseJsonBounded } from '../../../guest-agent/src/protocol/value-shape.ts';
 import { openFileAt, readDirAt } from '../../../guest-agent/src/workspace/fd-path.ts';
 import { nameFromBytes } from '../../../guest-agent/src/workspace/names.ts';
 import { sortSliced } from '../../../guest-agent/src/workspace/sliced-sort.ts';
@@ -31,6 +32,7 @@ import type { Session, SignalName } from '../sessions/session.ts';
 import { ConnectError, requestMessage, ServerStream, unaryError, unaryReply } from './connect-json.ts';
 import { PollingWatcher, watchDir } from './watch.ts';
 import { ByteBudget } from '../util/byte-budget.ts';
+import { readBody as readRequestBody } from '../util/read-body.ts';
 
 /**
  * The envd version reported to the SDK. 0.5.7 switches on octet-stream uploads (served);
@@ -139,17 +141,8 @@ function apiError(res: ServerResponse, status: number, message: string): void {
   json(res, status, { code: status, message });
 }
 
-async function readBody(req: IncomingMessage, limit = MAX_BODY_BYTES): Promise<Buffer> {
-  const declared = Number(req.headers['content-length'] ?? 0);
-  if (declared > limit) throw new ApiError(413, `request body of ${declared} bytes is above the ${limit}-byte limit`);
-  const parts: Buffer[] = [];
-  let n = 0;
-  for await (const c of req as AsyncIterable<Buffer>) {
-    n += c.length;
-    if (n > limit) throw new ApiError(413, `request body above the ${limit}-byte limit`);
-    parts.push(c);
-  }
-  return Buffer.concat(parts);
+function readBody(req: IncomingMessage, limit = MAX_BODY_BYTES): Promise<Buffer> {
+  return readRequestBody(req, limit, (m) => new ApiError(413, m));
 }
 
 function stringRecord(v: unknown, what: string): Record<string, string> {
@@ -287,10 +280,11 @@ export class E2bEndpoint {
     const raw = await readBody(req, 1024 * 1024);
     if (raw.length === 0) return {};
     try {
-      const v = JSON.parse(raw.toString('utf8')) as unknown;
+      const v = parseJsonBounded(raw.toString('utf8'));
       if (v && typeof v === 'object' && !Array.isArray(v)) return v as Record<string, unknown>;
-    } catch {
-      // answered below
+    } catch (err) {
+      if (err instanceof HutchError) throw new ApiError(400, err.message);
+      // else answered below
     }
     throw new ApiError(400, 'the body must be a JSON object');
   }

@@ -12,6 +12,9 @@ import type { IncomingMessage, ServerResponse } from 'node:http';
 import { StreamableHTTPServerTransport } from '@modelcontextprotocol/sdk/server/streamableHttp.js';
 import type { McpServer } from '@modelcontextprotocol/sdk/server/mcp.js';
 import type { Logger } from '../../../guest-agent/src/log.ts';
+import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import { parseJsonBounded } from '../../../guest-agent/src/protocol/value-shape.ts';
+import { readBody } from '../util/read-body.ts';
 import { Hutch } from '../sdk/index.ts';
 import { createMcpServer, HutchLink } from './server.ts';
 
@@ -80,6 +83,26 @@ export class McpHttpEndpoint {
       jsonRpcError(res, 413, `too_large: request body of ${declared} bytes is above the ${this.limits.maxBodyBytes}-byte limit`, { connection: 'close' });
       return;
     }
+    // The body is read and parsed here, not by the transport, so its shape is checked before
+    // JSON.parse builds it on the broker's loop (guest-agent/src/protocol/value-shape.ts).
+    let body: unknown;
+    if (req.method === 'POST') {
+      let raw: Buffer;
+      try {
+        raw = await readBody(req, this.limits.maxBodyBytes, (m) => new HutchError('too_large', m));
+      } catch (err) {
+        // Past the limit: 413; anything else is the client going away mid-body.
+        if (err instanceof HutchError) jsonRpcError(res, 413, `too_large: ${err.message}`, { connection: 'close' });
+        else res.destroy();
+        return;
+      }
+      try {
+        body = parseJsonBounded(raw.toString('utf8'));
+      } catch (err) {
+        jsonRpcError(res, 400, `parse error: ${(err as Error).message}`);
+        return;
+      }
+    }
     const sid = req.headers['mcp-session-id'];
     if (typeof sid === 'string') {
       const s = this.sessions.get(sid);
@@ -88,7 +111,7 @@ export class McpHttpEndpoint {
         jsonRpcError(res, 404, 'not_found: no such MCP session');
         return;
       }
-      await this.run(s, req, res);
+      await this.run(s, req, res, body);
       return;
     }
     if (req.method !== 'POST') {
@@ -100,7 +123,7 @@ export class McpHttpEndpoint {
       return;
     }
     const s = this.open(principal, token);
-    await this.run(s, req, res);
+    await this.run(s, req, res, body);
     // Not an initialize request (the transport answered it with an error): nothing to keep.
     if (s.transport.sessionId === undefined) await this.dispose(s);
   }
@@ -125,11 +148,11 @@ export class McpHttpEndpoint {
     return s;
   }
 
-  private async run(s: Session, req: IncomingMessage, res: ServerResponse): Promise<void> {
+  private async run(s: Session, req: IncomingMessage, res: ServerResponse, body: unknown): Promise<void> {
     s.inflight++;
     s.timer.refresh();
     try {
-      await s.transport.handleRequest(req, res);
+      await s.transport.handleRequest(req, res, body);
     } finally {
       s.inflight--;
       s.timer.refresh();
