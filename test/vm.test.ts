@@ -8,6 +8,7 @@ import { QemuBackend } from '../host-broker/src/backends/qemu-backend.ts';
 import { cacheDir } from '../host-broker/src/backends/registry.ts';
 import { connectAgent } from '../host-broker/src/vm/agent-channel.ts';
 import { QEMU_TAG } from '../host-broker/src/vm/qemu-driver.ts';
+import { DEFAULT_VM_UID_BASE } from '../host-broker/src/vm/qemu-jail.ts';
 import type { Vm } from '../host-broker/src/vm/vmm.ts';
 
 /**
@@ -29,6 +30,16 @@ function qemuProcessesUnder(dir: string): number[] {
     }
   }
   return pids;
+}
+
+/** The fields of /proc/PID/status. */
+function processStatus(pid: number): Record<string, string> {
+  const out: Record<string, string> = {};
+  for (const line of readFileSync(`/proc/${pid}/status`, 'utf8').split('\n')) {
+    const i = line.indexOf(':');
+    if (i > 0) out[line.slice(0, i)] = line.slice(i + 1).trim();
+  }
+  return out;
 }
 
 function sha256(path: string): string {
@@ -71,6 +82,7 @@ describe('guest image and microVMs (real QEMU)', { tags: ['vm'] }, () => {
     try {
       const agent = await connectAgent(vm, { timeoutMs: 240_000, log });
       expect(agent.capabilities['idlePageTracking']).toBe(backend.image.flavor === 'hutch');
+      expect(Number(processStatus(vm.pid)['Uid']?.split(/\s+/)[0])).toBeGreaterThanOrEqual(DEFAULT_VM_UID_BASE);
       const py = await agent.run({ command: 'python3 -c "import sys; print(sys.version_info[:2] >= (3, 8))"' });
       expect(py.stdoutText.trim()).toBe('True');
       const node = await agent.run({ command: 'node -e "console.log(process.versions.node.split(\'.\')[0] >= 18)"' });
@@ -97,6 +109,18 @@ describe('guest image and microVMs (real QEMU)', { tags: ['vm'] }, () => {
       // Clones must not share RNG output after the reseed.
       const rand = await Promise.all(agents.map((a) => a.run({ command: 'head -c 16 /dev/urandom | od -An -tx1' })));
       expect(new Set(rand.map((r) => r.stdoutText)).size).toBe(3);
+      // Each QEMU runs jailed (qemu-jail.ts): a user id of its own, no capabilities,
+      // no_new_privs and its seccomp filter, so an escape into QEMU is not root on the host.
+      const creds = vms.map((vm) => processStatus(vm.pid));
+      for (const c of creds) {
+        expect(c['Uid']?.split(/\s+/).map(Number).every((u) => u >= DEFAULT_VM_UID_BASE), c['Uid']).toBe(true);
+        expect(c['Gid']?.split(/\s+/).map(Number).every((g) => g >= DEFAULT_VM_UID_BASE), c['Gid']).toBe(true);
+        expect(c['CapEff']).toBe('0000000000000000');
+        expect(c['CapPrm']).toBe('0000000000000000');
+        expect(c['NoNewPrivs']).toBe('1');
+        expect(c['Seccomp']).toBe('2');
+      }
+      expect(new Set(creds.map((c) => c['Uid'])).size).toBe(3);
       // Guest RAM is the pristine file mapped copy-on-write: most of what each VM has resident is shared.
       for (const vm of vms) {
         const m = guestRamMapping(vm.pid, pristine.memory);

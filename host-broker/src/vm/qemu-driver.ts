@@ -1,4 +1,4 @@
-import { mkdirSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { constants, mkdirSync, openSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { setPriority } from 'node:os';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
@@ -8,7 +8,9 @@ import { kernelCmdline, microvmMachine } from '../../../kernel-configs/boot-para
 import { startDaemon, type Daemon } from '../util/daemon.ts';
 import { waitForSocket } from '../util/wait-for-socket.ts';
 import { QmpClient } from './qmp.ts';
-import { closeFd, guardedArgv, openGuardFilter } from './shared-ram-guard.ts';
+import { closeFd, FILTER_FD, openGuardFilter } from './shared-ram-guard.ts';
+import { openStateReceiver } from './state-receiver.ts';
+import { jailArgs, VmUidPool, wrapperArgv, type QemuJail } from './qemu-jail.ts';
 import { processMemory } from './smaps.ts';
 import { createSwapDisk, SWAP_FILE } from './swap-disk.ts';
 import type { Accel, MemoryBacking, SnapshotFiles, Vm, VmmDriver, VmSpec, VmStats } from './vmm.ts';
@@ -35,7 +37,17 @@ export interface QemuDriverOptions {
   tscKhz?: number;
   /** The vhost-device-vsock backend for VMs with a vsock channel; found or fetched on first use when absent. */
   vhostDeviceVsock?: VhostDeviceVsock;
+  /**
+   * Drop each QEMU to a user id of its own under a seccomp sandbox once it has started
+   * (qemu-jail.ts). Default true; false only to debug QEMU itself.
+   */
+  jail?: boolean;
+  /** First user id VMs run as (DEFAULT_VM_UID_BASE). */
+  vmUidBase?: number;
 }
+
+/** Opens a disk for QEMU: the -add-fd arguments and the path (`/dev/fdset/N`) to give -drive. */
+type DiskFd = (file: string, readonly: boolean) => { args: string[]; path: string };
 
 /**
  * QEMU `microvm` driver. Flags proven on these machines (see design.md): microvm with the
@@ -52,9 +64,11 @@ export class QemuDriver implements VmmDriver {
   readonly name = 'qemu';
   readonly accel: Accel;
   private vhostDeviceVsock: VhostDeviceVsock | undefined;
+  private readonly uids: VmUidPool;
 
   constructor(private readonly opts: QemuDriverOptions) {
     this.accel = opts.accel;
+    this.uids = new VmUidPool(opts.vmUidBase);
   }
 
   async boot(spec: VmSpec, memory?: MemoryBacking): Promise<Vm> {
@@ -82,20 +96,55 @@ export class QemuDriver implements VmmDriver {
         throw err;
       }
     }
-    let argv = this.args(spec, memory, qmpPath, channelPath, snap !== undefined);
-    // A private mapping of a shared memory file: keep QEMU from punching holes in it.
+    // A jailed QEMU opens no file by path once it runs: a snapshot's state and the disks come
+    // as descriptors it inherits (children see extraFds[i] as fd 3 + i), and a snapshot it
+    // takes goes out through a socket (state-receiver.ts).
+    const fds: number[] = [];
+    const fdOf = (fd: number) => 3 + fds.push(fd) - 1;
+    // A private mapping of a shared memory file: keep QEMU from punching holes in it (bwrap
+    // reads the filter from fd 3).
     const guardFd = memory !== undefined && !memory.shared ? openGuardFilter() : undefined;
+    if (guardFd !== undefined) fdOf(guardFd);
+    let stateIn: number | undefined;
+    const jail: QemuJail | undefined = this.opts.jail === false ? undefined : { uid: spec.egress ? undefined : this.uids.acquire(), spawn: spec.egress !== undefined };
+    const releaseUid = () => {
+      if (jail?.uid !== undefined) this.uids.release(jail.uid);
+    };
+    // Disks, too, are handed over as descriptors in fd sets (`/dev/fdset/N`): QEMU opens
+    // them again when an incoming migration ends, and a jailed QEMU may not open the path.
+    // A writable disk's set holds a read-write and a read-only descriptor, for either mode.
+    let sets = 0;
+    const diskFd: DiskFd = (file, readonly) => {
+      const set = ++sets;
+      const modes = readonly ? [constants.O_RDONLY] : [constants.O_RDWR, constants.O_RDONLY];
+      const args = modes.flatMap((m) => ['-add-fd', `fd=${fdOf(openSync(file, m))},set=${set}`]);
+      return { args, path: `/dev/fdset/${set}` };
+    };
+    let argv: string[];
+    try {
+      if (snap) stateIn = fdOf(openSync(snap.state, constants.O_RDONLY));
+      argv = this.args(spec, memory, qmpPath, channelPath, snap !== undefined, jail, diskFd);
+    } catch (err) {
+      for (const fd of fds) closeFd(fd);
+      releaseUid();
+      rmSync(spec.dir, { recursive: true, force: true });
+      throw err;
+    }
     const guarded = guardFd !== undefined;
-    if (guarded) argv = [...argv.slice(0, PDEATHSIG_PREFIX), ...guardedArgv(argv.slice(PDEATHSIG_PREFIX))];
+    const ownPidNamespace = jail?.uid !== undefined;
+    const wrapped = guarded || ownPidNamespace;
+    if (wrapped) argv = [...argv.slice(0, PDEATHSIG_PREFIX), ...wrapperArgv(argv.slice(PDEATHSIG_PREFIX), { ...(guarded ? { filterFd: FILTER_FD } : {}), ownPidNamespace })];
     // nice execs what follows in the same process, so pdeathsig and the pid stay as they were.
     if (spec.niceness) argv = ['nice', '-n', String(spec.niceness), ...argv];
-    const log = this.opts.log.child({ vm: spec.id });
+    const log = this.opts.log.child({ vm: spec.id, ...(jail?.uid !== undefined ? { uid: jail.uid } : {}) });
     let backend: Daemon | undefined;
     if (vsock) {
       try {
         const binary = (this.vhostDeviceVsock ??= this.opts.vhostDeviceVsock ?? (await ensureVhostDeviceVsock({ log: (m) => log.info('vsock.backend', { msg: m }) })));
         backend = (await startVhostVsockBackend({ binary, dir: spec.dir, cid: vsock.cid ?? DEFAULT_GUEST_CID, log })).daemon;
       } catch (err) {
+        for (const fd of fds) closeFd(fd);
+        releaseUid();
         rmSync(spec.dir, { recursive: true, force: true });
         throw err;
       }
@@ -105,7 +154,7 @@ export class QemuDriver implements VmmDriver {
       argv,
       log,
       group: true,
-      ...(guardFd !== undefined ? { extraFds: [guardFd] } : {}),
+      ...(fds.length ? { extraFds: fds } : {}),
       interesting: /HUTCH_|panic|error|Kernel|qemu-system/i,
       onLine: (l) => {
         spec.onConsole?.(l);
@@ -113,15 +162,17 @@ export class QemuDriver implements VmmDriver {
         if (console.length > 200) console.shift();
       },
     });
-    if (guardFd !== undefined) closeFd(guardFd); // the child has its own copy
+    for (const fd of fds) closeFd(fd); // the child has its own copies
+    // The id goes back to the pool only once this QEMU is gone.
+    void daemon.exited.then(releaseUid);
     let qmp: QmpClient | undefined;
     try {
       await waitForSocket(qmpPath, { proc: daemon.proc, timeoutMs: 15_000 });
       qmp = await QmpClient.connect(qmpPath);
-      if (snap) await this.loadSnapshot(qmp, snap);
-      // Under the guard, the spawned process is bwrap; stats and kills want QEMU itself.
-      const pid = guarded ? (qemuPids(spec.dir)[0] ?? daemon.pid) : daemon.pid;
-      return new QemuVm(spec, daemon, pid, this.accel, channelPath, qmp, console, backend);
+      if (stateIn !== undefined) await this.loadSnapshot(qmp, stateIn);
+      // Wrapped, the spawned process is bwrap; stats and kills want QEMU itself.
+      const pid = wrapped ? (qemuPids(spec.dir)[0] ?? daemon.pid) : daemon.pid;
+      return new QemuVm(spec, daemon, pid, this.accel, channelPath, qmp, console, jail?.uid, backend);
     } catch (err) {
       qmp?.close();
       await daemon.stop(200);
@@ -132,20 +183,25 @@ export class QemuDriver implements VmmDriver {
     }
   }
 
-  private async loadSnapshot(qmp: QmpClient, snap: SnapshotFiles): Promise<void> {
+  /** Loads a snapshot's device state from the descriptor QEMU inherited as `fd`. */
+  private async loadSnapshot(qmp: QmpClient, fd: number): Promise<void> {
     await qmp.execute('migrate-set-capabilities', { capabilities: MIGRATION_CAPS });
     const done = qmp.waitEvent('MIGRATION', (d) => d['status'] === 'completed' || d['status'] === 'failed', 120_000);
     // Observed now: if the command below fails, nobody awaits `done`, and its timeout must
     // not become an unhandled rejection that takes the broker down.
     done.catch(() => undefined);
-    await qmp.execute('migrate-incoming', { uri: `exec:cat ${shellQuote(snap.state)}` });
+    await qmp.execute('migrate-incoming', { uri: `fd:${fd}` });
     const ev = await done;
     if (ev['status'] !== 'completed') throw new HutchError('internal', `incoming migration ${String(ev['status'])}`);
     await qmp.execute('cont');
   }
 
-  private args(spec: VmSpec, memory: MemoryBacking | undefined, qmpPath: string, channelPath: string, incoming: boolean): string[] {
+  private args(spec: VmSpec, memory: MemoryBacking | undefined, qmpPath: string, channelPath: string, incoming: boolean, jail: QemuJail | undefined, diskFd: DiskFd): string[] {
     const img = spec.image;
+    const drive = (id: string, file: string, readonly: boolean, opts: string): string[] => {
+      const fd = diskFd(file, readonly);
+      return [...fd.args, '-drive', `id=${id},file=${fd.path},format=raw,if=none${readonly ? ',readonly=on' : ''}${opts}`];
+    };
     const vsock = spec.channel?.kind === 'vsock' ? spec.channel : undefined;
     const machine = [microvmMachine({ smp: spec.cpus, flavor: img.flavor })];
     const a: string[] = [
@@ -167,16 +223,16 @@ export class QemuDriver implements VmmDriver {
       // Device order decides the guest's names (and must match a snapshot's): the agent
       // layer is /dev/vda (the kernel's root), the template's root /dev/vdb, then extra
       // disks, then swap (init takes the first writable disk that is not its root).
-      '-drive', `id=layer,file=${img.agentLayer},format=raw,if=none,readonly=on`,
+      ...drive('layer', img.agentLayer, true, ''),
       '-device', 'virtio-blk-device,drive=layer',
-      '-drive', `id=root,file=${img.rootfs},format=raw,if=none,readonly=on`,
+      ...drive('root', img.rootfs, true, ''),
       '-device', 'virtio-blk-device,drive=root',
     ];
     (spec.disks ?? []).forEach((d, i) => {
-      a.push('-drive', `id=disk${i},file=${d.file},format=raw,if=none${d.readonly ? ',readonly=on' : ',cache=unsafe'}`, '-device', `virtio-blk-device,drive=disk${i}`);
+      a.push(...drive(`disk${i}`, d.file, d.readonly === true, d.readonly ? '' : ',cache=unsafe'), '-device', `virtio-blk-device,drive=disk${i}`);
     });
     if (spec.swapMiB > 0) {
-      a.push('-drive', `id=swap,file=${join(spec.dir, SWAP_FILE)},format=raw,if=none,cache=unsafe,discard=unmap`, '-device', 'virtio-blk-device,drive=swap');
+      a.push(...drive('swap', join(spec.dir, SWAP_FILE), false, ',cache=unsafe,discard=unmap'), '-device', 'virtio-blk-device,drive=swap');
     }
     if (vsock) {
       // The guest CID comes from the backend (the device has no guest-cid property in QEMU 7.2).
@@ -204,6 +260,7 @@ export class QemuDriver implements VmmDriver {
       machine.push('memory-backend=mem');
     }
     if (incoming) a.push('-incoming', 'defer');
+    if (jail) a.push(...jailArgs(jail));
     a.splice(a.indexOf('-smp'), 0, '-M', machine.join(','));
     return a;
   }
@@ -242,6 +299,8 @@ class QemuVm implements Vm {
     readonly channelPath: string,
     readonly qmp: QmpClient,
     private readonly console: string[],
+    /** The user id a jailed QEMU runs as (undefined: root). */
+    private readonly uid: number | undefined,
     /** vhost-device-vsock of a vsock VM: it would outlive QEMU, so it goes when QEMU goes. */
     private readonly backend?: Daemon,
   ) {
@@ -276,18 +335,25 @@ class QemuVm implements Vm {
       throw vsockSnapshotError(this.spec.id, q?.['blocked-reasons']);
     }
     const t0 = performance.now();
-    await this.qmp.execute('stop');
-    await this.qmp.execute('migrate-set-capabilities', { capabilities: MIGRATION_CAPS });
-    const done = this.qmp.waitEvent('MIGRATION', (d) => d['status'] === 'completed' || d['status'] === 'failed', 120_000);
-    done.catch(() => undefined); // see loadSnapshot
-    await this.qmp.execute('migrate', { uri: `exec:cat > ${shellQuote(stateFile)}` });
-    const ev = await done;
-    if (ev['status'] !== 'completed') throw new HutchError('internal', `snapshot migration ${String(ev['status'])}`, { vm: this.spec.id });
-    // "completed" means QEMU closed its end of the pipe, not that `cat` wrote it all: wait
-    // for the writer to exit before anyone reads the file or kills the VM's process group
-    // (which would kill cat too and leave a truncated state that cannot be restored).
-    await waitForChildrenGone(this.qemuPid, 30_000, this.spec.id);
-    return { ms: performance.now() - t0, stateBytes: statSync(stateFile).size };
+    const rx = await openStateReceiver(stateFile, this.uid, 120_000, this.spec.id);
+    try {
+      await this.qmp.execute('stop');
+      await this.qmp.execute('migrate-set-capabilities', { capabilities: MIGRATION_CAPS });
+      const done = this.qmp.waitEvent('MIGRATION', (d) => d['status'] === 'completed' || d['status'] === 'failed', 120_000);
+      done.catch(() => undefined); // see loadSnapshot
+      await this.qmp.execute('migrate', { uri: rx.uri });
+      const ev = await done;
+      if (ev['status'] !== 'completed') {
+        const q = await this.qmp.execute<{ 'error-desc'?: string }>('query-migrate').catch(() => undefined);
+        throw new HutchError('internal', `snapshot migration ${String(ev['status'])}${q?.['error-desc'] ? `: ${q['error-desc']}` : ''}`, { vm: this.spec.id });
+      }
+      // "completed" means QEMU has sent it all, not that the file holds it all: wait for
+      // the write before anyone reads the file or kills the VM.
+      const stateBytes = await rx.done;
+      return { ms: performance.now() - t0, stateBytes };
+    } finally {
+      rx.close();
+    }
   }
 
   async stats(): Promise<VmStats> {
@@ -324,34 +390,6 @@ class QemuVm implements Vm {
   }
 }
 
-function shellQuote(s: string): string {
-  return `'${s.replace(/'/g, `'\\''`)}'`;
-}
-
-/** Pids whose parent is `pid`. */
-function childrenOf(pid: number): number[] {
-  const out: number[] = [];
-  for (const p of readdirSync('/proc')) {
-    if (!/^\d+$/.test(p)) continue;
-    try {
-      const stat = readFileSync(`/proc/${p}/stat`, 'utf8');
-      // Fields after the command (which may hold spaces and parentheses): state, ppid, ...
-      const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
-      if (ppid === pid) out.push(Number(p));
-    } catch {
-      // gone
-    }
-  }
-  return out;
-}
-
-async function waitForChildrenGone(pid: number, timeoutMs: number, vm: string): Promise<void> {
-  const deadline = Date.now() + timeoutMs;
-  while (childrenOf(pid).length > 0) {
-    if (Date.now() > deadline) throw new HutchError('internal', `the snapshot writer of VM ${vm} did not finish within ${timeoutMs} ms`, { vm });
-    await new Promise((r) => setTimeout(r, 10));
-  }
-}
 
 /**
  * The build VM's NIC (last, so no other device's virtio-mmio slot moves). restrict=on drops

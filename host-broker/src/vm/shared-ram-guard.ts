@@ -7,8 +7,8 @@ import { AUDIT_ARCH_X86_64, OFF_ARCH, OFF_NR, SECCOMP_RET_ALLOW, argLow, retErrn
 
 /** linux/falloc.h */
 const FALLOC_FL_PUNCH_HOLE = 0x02;
-/** The descriptor bwrap reads the filter from in the child. */
-const FILTER_FD = 3;
+/** The descriptor bwrap reads the filter from in the child (qemu-jail.ts wrapperArgv). */
+export const FILTER_FD = 3;
 
 /**
  * Every restored VM maps the one pristine memory file privately (copy-on-write). When its
@@ -33,11 +33,6 @@ export function sharedRamGuardFilter(): Buffer {
   p.loadAbs(argLow(1)).jump('set', FALLOC_FL_PUNCH_HOLE, 0, 1).ret(retErrno(0)).ret(SECCOMP_RET_ALLOW);
   compiled = p.assemble();
   return compiled;
-}
-
-/** bwrap around QEMU: the whole host visible as it is (devices too), plus the filter. */
-export function guardedArgv(argv: string[]): string[] {
-  return ['bwrap', '--dev-bind', '/', '/', '--die-with-parent', '--seccomp', String(FILTER_FD), '--', ...argv];
 }
 
 /**
