@@ -21,13 +21,13 @@ describe('QEMU jail: user ids and sandbox flags', () => {
     expect(() => new VmUidPool(2 ** 31 - 5, 10)).toThrow(/within/);
   });
 
-  it('wraps a jailed QEMU in a pid namespace of its own (its parent-death signal goes with the uid change)', () => {
-    expect(wrapperArgv(['qemu'], { ownPidNamespace: true })).toEqual(['bwrap', '--dev-bind', '/', '/', '--die-with-parent', '--unshare-pid', '--', 'qemu']);
-    expect(wrapperArgv(['qemu'], { ownPidNamespace: false, filterFd: 3 })).toEqual(['bwrap', '--dev-bind', '/', '/', '--die-with-parent', '--seccomp', '3', '--', 'qemu']);
+  it('wraps a jailed QEMU in pid and network namespaces of its own (its parent-death signal goes with the uid change)', () => {
+    expect(wrapperArgv(['qemu'], { jailed: true })).toEqual(['bwrap', '--dev-bind', '/', '/', '--die-with-parent', '--unshare-pid', '--unshare-net', '--', 'qemu']);
+    expect(wrapperArgv(['qemu'], { jailed: false, filterFd: 3 })).toEqual(['bwrap', '--dev-bind', '/', '/', '--die-with-parent', '--seccomp', '3', '--', 'qemu']);
   });
 
   it('drops to the id and denies new processes, except for a build VM', () => {
     expect(jailArgs({ uid: 2_100_000_007, spawn: false })).toEqual(['-runas', '2100000007:2100000007', '-sandbox', 'on,obsolete=deny,resourcecontrol=deny,spawn=deny']);
-    expect(jailArgs({ uid: undefined, spawn: true })).toEqual(['-sandbox', 'on,obsolete=deny,resourcecontrol=deny,spawn=allow']);
+    expect(jailArgs({ uid: 2_100_000_008, spawn: true })).toEqual(['-runas', '2100000008:2100000008', '-sandbox', 'on,obsolete=deny,resourcecontrol=deny,spawn=allow']);
   });
 });

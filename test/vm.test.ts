@@ -8,8 +8,8 @@ import { QemuBackend } from '../host-broker/src/backends/qemu-backend.ts';
 import { cacheDir } from '../host-broker/src/backends/registry.ts';
 import { connectAgent } from '../host-broker/src/vm/agent-channel.ts';
 import { QEMU_TAG } from '../host-broker/src/vm/qemu-driver.ts';
-import { DEFAULT_VM_UID_BASE } from '../host-broker/src/vm/qemu-jail.ts';
 import type { Vm } from '../host-broker/src/vm/vmm.ts';
+import { isVmUid, JAILED, qemuJailView } from './helpers/qemu-jailed.ts';
 
 /**
  * The guest image and VM layer with the real kernel, rootfs and QEMU (TCG here: there is
@@ -33,15 +33,6 @@ function qemuProcessesUnder(dir: string): number[] {
 }
 
 /** The fields of /proc/PID/status. */
-function processStatus(pid: number): Record<string, string> {
-  const out: Record<string, string> = {};
-  for (const line of readFileSync(`/proc/${pid}/status`, 'utf8').split('\n')) {
-    const i = line.indexOf(':');
-    if (i > 0) out[line.slice(0, i)] = line.slice(i + 1).trim();
-  }
-  return out;
-}
-
 function sha256(path: string): string {
   return createHash('sha256').update(readFileSync(path)).digest('hex');
 }
@@ -82,7 +73,10 @@ describe('guest image and microVMs (real QEMU)', { tags: ['vm'] }, () => {
     try {
       const agent = await connectAgent(vm, { timeoutMs: 240_000, log });
       expect(agent.capabilities['idlePageTracking']).toBe(backend.image.flavor === 'hutch');
-      expect(Number(processStatus(vm.pid)['Uid']?.split(/\s+/)[0])).toBeGreaterThanOrEqual(DEFAULT_VM_UID_BASE);
+      // A cold-booted QEMU is jailed like a restored one (no guard filter around it).
+      const jail = qemuJailView(vm.pid);
+      expect(isVmUid(jail.uids), String(jail.uids)).toBe(true);
+      expect(jail).toMatchObject(JAILED);
       const py = await agent.run({ command: 'python3 -c "import sys; print(sys.version_info[:2] >= (3, 8))"' });
       expect(py.stdoutText.trim()).toBe('True');
       const node = await agent.run({ command: 'node -e "console.log(process.versions.node.split(\'.\')[0] >= 18)"' });
@@ -111,16 +105,15 @@ describe('guest image and microVMs (real QEMU)', { tags: ['vm'] }, () => {
       expect(new Set(rand.map((r) => r.stdoutText)).size).toBe(3);
       // Each QEMU runs jailed (qemu-jail.ts): a user id of its own, no capabilities,
       // no_new_privs and its seccomp filter, so an escape into QEMU is not root on the host.
-      const creds = vms.map((vm) => processStatus(vm.pid));
+      // In pid and network namespaces of its own: it dies with the broker, and sees no
+      // network but loopback.
+      const creds = vms.map((vm) => qemuJailView(vm.pid));
       for (const c of creds) {
-        expect(c['Uid']?.split(/\s+/).map(Number).every((u) => u >= DEFAULT_VM_UID_BASE), c['Uid']).toBe(true);
-        expect(c['Gid']?.split(/\s+/).map(Number).every((g) => g >= DEFAULT_VM_UID_BASE), c['Gid']).toBe(true);
-        expect(c['CapEff']).toBe('0000000000000000');
-        expect(c['CapPrm']).toBe('0000000000000000');
-        expect(c['NoNewPrivs']).toBe('1');
-        expect(c['Seccomp']).toBe('2');
+        expect(isVmUid(c.uids), String(c.uids)).toBe(true);
+        expect(isVmUid(c.gids), String(c.gids)).toBe(true);
+        expect(c).toMatchObject(JAILED);
       }
-      expect(new Set(creds.map((c) => c['Uid'])).size).toBe(3);
+      expect(new Set(creds.map((c) => c.uids[0])).size).toBe(3);
       // Guest RAM is the pristine file mapped copy-on-write: most of what each VM has resident is shared.
       for (const vm of vms) {
         const m = guestRamMapping(vm.pid, pristine.memory);

@@ -23,6 +23,8 @@ import { cacheDir } from '../../host-broker/src/backends/registry.ts';
 import { buildTemplate } from '../../host-broker/src/templates/build.ts';
 import { TemplateStore, validateTemplateName } from '../../host-broker/src/templates/store.ts';
 import { startBroker } from '../helpers/broker.ts';
+import { isVmUid, JAILED, qemuJailView, type QemuJailView } from '../helpers/qemu-jailed.ts';
+import { qemuPids } from '../../host-broker/src/vm/qemu-driver.ts';
 import { missingRootTools } from '../helpers/prerequisites.ts';
 
 /** One ustar entry (written by hand: the point is entries no well-behaved tar would write). */
@@ -258,8 +260,27 @@ describe.skipIf(missing !== undefined)('a hostile template source and --run step
       ].join('\n');
       // Where a network reaches Debian through a mirror on its LAN, that is what --egress-allow is for.
       const mirror = await lookup('deb.debian.org', { all: true }).then((r) => r.map((x) => x.address), () => []);
-      const r = await buildTemplate({ name: 'egress', from: clean, run: [step], egressAllow: mirror, dataDir: data, cacheDir: cacheDir(), log: (m) => (lines.push(m), console.log(`[egress] ${m}`)) });
+      // The build VM's QEMU, which runs the tenant's steps with a NIC, is jailed like any
+      // other: its own id, no capabilities, no host network (its relay reaches the proxy's
+      // Unix socket only). Watched while the steps run; QEMU drops root once it has opened
+      // its devices, before the guest runs, so each QEMU's last look is what counts.
+      const last = new Map<number, QemuJailView>();
+      const watch = setInterval(() => {
+        for (const pid of qemuPids('hutch-tpl-')) {
+          try {
+            last.set(pid, qemuJailView(pid));
+          } catch {
+            // exited meanwhile
+          }
+        }
+      }, 250);
+      const r = await buildTemplate({ name: 'egress', from: clean, run: [step], egressAllow: mirror, dataDir: data, cacheDir: cacheDir(), log: (m) => (lines.push(m), console.log(`[egress] ${m}`)) }).finally(() => clearInterval(watch));
       expect(r.cached).toBe(false);
+      expect(last.size).toBeGreaterThan(0);
+      for (const v of last.values()) {
+        expect(isVmUid(v.uids), String(v.uids)).toBe(true);
+        expect(v).toMatchObject(JAILED);
+      }
       // What the step printed (the log also echoes the step's text, which names LEAK).
       const out = lines.filter((l) => l.startsWith('  | ')).join('\n');
       expect(out).not.toContain('LEAK');

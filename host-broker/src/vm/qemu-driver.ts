@@ -1,6 +1,6 @@
-import { constants, mkdirSync, openSync, readdirSync, readFileSync, rmSync } from 'node:fs';
-import { setPriority } from 'node:os';
-import { join } from 'node:path';
+import { chownSync, constants, mkdirSync, openSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { constants as osConstants, setPriority } from 'node:os';
+import { dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
@@ -106,9 +106,9 @@ export class QemuDriver implements VmmDriver {
     const guardFd = memory !== undefined && !memory.shared ? openGuardFilter() : undefined;
     if (guardFd !== undefined) fdOf(guardFd);
     let stateIn: number | undefined;
-    const jail: QemuJail | undefined = this.opts.jail === false ? undefined : { uid: spec.egress ? undefined : this.uids.acquire(), spawn: spec.egress !== undefined };
+    const jail: QemuJail | undefined = this.opts.jail === false ? undefined : { uid: this.uids.acquire(), spawn: spec.egress !== undefined };
     const releaseUid = () => {
-      if (jail?.uid !== undefined) this.uids.release(jail.uid);
+      if (jail) this.uids.release(jail.uid);
     };
     // Disks, too, are handed over as descriptors in fd sets (`/dev/fdset/N`): QEMU opens
     // them again when an incoming migration ends, and a jailed QEMU may not open the path.
@@ -122,6 +122,8 @@ export class QemuDriver implements VmmDriver {
     };
     let argv: string[];
     try {
+      // The egress relay (socat, started by QEMU per connection) runs as the VM's id.
+      if (jail && spec.egress) for (const p of [dirname(spec.egress.proxySocket), spec.egress.proxySocket]) chownSync(p, jail.uid, jail.uid);
       if (snap) stateIn = fdOf(openSync(snap.state, constants.O_RDONLY));
       argv = this.args(spec, memory, qmpPath, channelPath, snap !== undefined, jail, diskFd);
     } catch (err) {
@@ -131,12 +133,11 @@ export class QemuDriver implements VmmDriver {
       throw err;
     }
     const guarded = guardFd !== undefined;
-    const ownPidNamespace = jail?.uid !== undefined;
-    const wrapped = guarded || ownPidNamespace;
-    if (wrapped) argv = [...argv.slice(0, PDEATHSIG_PREFIX), ...wrapperArgv(argv.slice(PDEATHSIG_PREFIX), { ...(guarded ? { filterFd: FILTER_FD } : {}), ownPidNamespace })];
+    const wrapped = guarded || jail !== undefined;
+    if (wrapped) argv = [...argv.slice(0, PDEATHSIG_PREFIX), ...wrapperArgv(argv.slice(PDEATHSIG_PREFIX), { ...(guarded ? { filterFd: FILTER_FD } : {}), jailed: jail !== undefined })];
     // nice execs what follows in the same process, so pdeathsig and the pid stay as they were.
     if (spec.niceness) argv = ['nice', '-n', String(spec.niceness), ...argv];
-    const log = this.opts.log.child({ vm: spec.id, ...(jail?.uid !== undefined ? { uid: jail.uid } : {}) });
+    const log = this.opts.log.child({ vm: spec.id, ...(jail ? { uid: jail.uid } : {}) });
     let backend: Daemon | undefined;
     if (vsock) {
       try {
@@ -172,7 +173,7 @@ export class QemuDriver implements VmmDriver {
       if (stateIn !== undefined) await this.loadSnapshot(qmp, stateIn);
       // Wrapped, the spawned process is bwrap; stats and kills want QEMU itself.
       const pid = wrapped ? (qemuPids(spec.dir)[0] ?? daemon.pid) : daemon.pid;
-      return new QemuVm(spec, daemon, pid, this.accel, channelPath, qmp, console, jail?.uid, backend);
+      return new QemuVm(spec, daemon, pid, wrapped, this.accel, channelPath, qmp, console, jail?.uid, backend);
     } catch (err) {
       qmp?.close();
       await daemon.stop(200);
@@ -295,6 +296,8 @@ class QemuVm implements Vm {
     private readonly daemon: Daemon,
     /** QEMU's own pid (the daemon may be a wrapper around it). */
     private readonly qemuPid: number,
+    /** Whether the daemon is bwrap around QEMU, which reports QEMU's death by a signal as 128 + its number. */
+    wrapped: boolean,
     readonly accel: Accel,
     readonly channelPath: string,
     readonly qmp: QmpClient,
@@ -304,7 +307,7 @@ class QemuVm implements Vm {
     /** vhost-device-vsock of a vsock VM: it would outlive QEMU, so it goes when QEMU goes. */
     private readonly backend?: Daemon,
   ) {
-    this.exited = daemon.exited.then(({ code, signal }) => ({ code, signal, console: [...console] }));
+    this.exited = daemon.exited.then(({ code, signal }) => ({ ...(wrapped ? unwrapExit(code, signal) : { code, signal }), console: [...console] }));
     if (backend) void daemon.exited.then(() => backend.stop(300));
   }
 
@@ -412,3 +415,9 @@ export function egressNicArgs(e: NonNullable<VmSpec['egress']>): string[] {
   ];
 }
 
+/** QEMU's own end as bwrap passed it on: an exit status above 128 is death by signal (status - 128). */
+function unwrapExit(code: number | null, signal: string | null): { code: number | null; signal: string | null } {
+  if (code === null || code <= 128) return { code, signal };
+  const name = Object.entries(osConstants.signals).find(([, n]) => n === code - 128)?.[0];
+  return name ? { code: null, signal: name } : { code, signal };
+}

@@ -17,11 +17,12 @@ import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
  * `elevateprivileges=deny` is left out: it forbids the set*id calls `-runas` itself makes
  * (QEMU dies of SIGSYS at start); once dropped, a process without capabilities cannot
  * regain them anyway. A template build's VM keeps `spawn` (its egress NIC starts a relay
- * per connection) and root (the relay connects to the broker's proxy socket).
+ * per connection); the directory of the egress proxy's socket is handed to its id, so that
+ * relay, running as that id, can connect.
  */
 export interface QemuJail {
-  /** The user and group id QEMU runs as; undefined keeps root (a build VM). */
-  uid: number | undefined;
+  /** The user and group id QEMU runs as. */
+  uid: number;
   /** Whether QEMU may start processes (a build VM's egress relay). */
   spawn: boolean;
 }
@@ -33,7 +34,7 @@ export const VM_UID_COUNT = 10_000;
 
 export function jailArgs(jail: QemuJail): string[] {
   const sandbox = `on,obsolete=deny,resourcecontrol=deny,spawn=${jail.spawn ? 'allow' : 'deny'}`;
-  return [...(jail.uid !== undefined ? ['-runas', `${jail.uid}:${jail.uid}`] : []), '-sandbox', sandbox];
+  return ['-runas', `${jail.uid}:${jail.uid}`, '-sandbox', sandbox];
 }
 
 /**
@@ -76,16 +77,24 @@ export class VmUidPool {
 
 /**
  * bwrap around QEMU: the whole host visible as it is (devices too), optionally the shared
- * RAM guard's filter (shared-ram-guard.ts), and for a jailed QEMU a pid namespace of its
- * own. The namespace is what keeps a jailed QEMU from outliving the broker: changing user
+ * RAM guard's filter (shared-ram-guard.ts), and for a jailed QEMU a pid and a network
+ * namespace of its own.
+ *
+ * The pid namespace is what keeps a jailed QEMU from outliving the broker: changing user
  * id clears a process's parent-death signal, so `setpriv --pdeathsig` no longer reaches
  * QEMU; bwrap's init in the namespace stays root and keeps it, and when that init dies the
  * kernel kills everything in the namespace, a stopped QEMU included.
+ *
+ * The network namespace (loopback only) takes the host's network from an escaped QEMU: the
+ * broker's port, other hosts, cloud metadata. QEMU needs none of it: QMP, the agent's
+ * channel, vhost-user and the snapshot socket are Unix sockets named by path, which work
+ * across network namespaces, and a build VM's NIC (slirp, restrict=on) only runs guestfwd
+ * relays to the egress proxy's Unix socket.
  */
-export function wrapperArgv(argv: string[], opts: { filterFd?: number; ownPidNamespace: boolean }): string[] {
+export function wrapperArgv(argv: string[], opts: { filterFd?: number; jailed: boolean }): string[] {
   return [
     'bwrap', '--dev-bind', '/', '/', '--die-with-parent',
-    ...(opts.ownPidNamespace ? ['--unshare-pid'] : []),
+    ...(opts.jailed ? ['--unshare-pid', '--unshare-net'] : []),
     ...(opts.filterFd !== undefined ? ['--seccomp', String(opts.filterFd)] : []),
     '--', ...argv,
   ];

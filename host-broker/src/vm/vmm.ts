@@ -53,6 +53,8 @@ export interface VmSpec {
    * never get one). QEMU's user network runs with restrict=on, so the guest reaches neither
    * the host's loopback (slirp's 10.0.2.2) nor anything else directly: its one route out is
    * a TCP port at `proxyAddress`, relayed per connection to `proxySocket` on the host.
+   * A jailed QEMU's relay runs as the VM's user id: the socket and its directory (one of
+   * its own) are handed to that id when the VM starts.
    */
   egress?: { proxySocket: string; proxyAddress: string; proxyPort: number };
   /**
