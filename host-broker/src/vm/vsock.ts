@@ -376,6 +376,10 @@ export async function connectVsockAgent(vm: Vm, opts: { timeoutMs: number; log: 
     return client;
   } catch (err) {
     client?.close();
+    // A guest that never answered: say where its boot got to.
+    if (err instanceof HutchError && err.code === 'timeout') {
+      throw new HutchError('timeout', `${err.message}; console: ${vm.consoleTail(5).join(' | ') || '(nothing)'}`, { ...err.context, vm: vm.spec.id });
+    }
     throw err;
   } finally {
     stop.abort(); // ends the listener on `died`; harmless once connected
