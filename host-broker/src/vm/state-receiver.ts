@@ -61,10 +61,9 @@ export async function openStateReceiver(stateFile: string, uid: number | undefin
       // One stream per snapshot: whoever else could reach the directory gets nothing.
       srv.close();
       conn = c;
-      let bytes = 0;
-      c.on('data', (b: Buffer) => (bytes += b.length));
-      pipeline(c, createWriteStream(stateFile, { mode: 0o600 }))
-        .then(() => resolve(bytes))
+      const out = createWriteStream(stateFile, { mode: 0o600 });
+      pipeline(c, out)
+        .then(() => resolve(out.bytesWritten))
         .catch((err: Error) => reject(new HutchError('internal', `writing the snapshot state of VM ${vm} to ${stateFile}: ${err.message}`, { vm })));
     });
   });
