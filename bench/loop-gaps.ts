@@ -47,6 +47,7 @@ import { initRouter, MAX_ROUTED_LENGTH, routeCall } from '../host-broker/src/rou
 import { Packr } from 'msgpackr';
 import { checkMsgpackShape, parseJsonBounded } from '../guest-agent/src/protocol/value-shape.ts';
 import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
+import { watchLoop } from './lib/loop-watch.ts';
 
 const args = benchArgs();
 const quick = args.argv.includes('--quick');
@@ -63,20 +64,11 @@ for (let i = 0; i < N; i++) closeSync(openSync(join(wide, `f${((i * 7919) % N).t
 /** Runs `fn` while a 1 ms interval watches the loop: its worst gap and the run's time. */
 async function watched(fn: () => Promise<unknown>): Promise<{ gap: number; ms: number }> {
   await new Promise((r) => setTimeout(r, 50));
-  let last = performance.now();
-  let gap = 0;
-  const t = setInterval(() => {
-    const now = performance.now();
-    gap = Math.max(gap, now - last);
-    last = now;
-  }, 1);
+  const watch = watchLoop();
   const t0 = performance.now();
   await fn();
   const ms = performance.now() - t0;
-  // The interval's next turn closes the last gap (a block at the very end counts too).
-  await new Promise((r) => setTimeout(r, 20));
-  clearInterval(t);
-  return { gap, ms };
+  return { gap: await watch.stop(), ms };
 }
 
 // One chain of one-letter directories, made with relative names as a tenant would: level k

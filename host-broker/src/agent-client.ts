@@ -6,6 +6,7 @@ import type { Hello } from '../../guest-agent/src/protocol/messages.ts';
 import type { ExecResult, MethodName, ParamsOf, ResultOf, SyncChange, SignalSchema } from '../../guest-agent/src/protocol/methods.ts';
 import { SYNC_RECORD_MAX_BYTES, SyncChangesBatchSchema, type SyncChangesBatch } from '../../guest-agent/src/protocol/methods.ts';
 import { FrameDecoder } from '../../guest-agent/src/protocol/frame-codec.ts';
+import { GUEST_LOOP_SHARE, type LoopShareOptions } from '../../guest-agent/src/protocol/loop-share.ts';
 import { nameToBytes } from '../../guest-agent/src/workspace/names.ts';
 import type { InboundStream } from '../../guest-agent/src/protocol/flow-control.ts';
 import { noopLogger, type Logger } from '../../guest-agent/src/log.ts';
@@ -28,6 +29,8 @@ export interface AgentClientOptions {
   deadlines?: DeadlinePolicy;
   heartbeatMs?: number;
   deadAfterMs?: number;
+  /** How much of the broker's loop this guest's input may take (default GUEST_LOOP_SHARE); false: unpaced (benches' baselines). */
+  loopShare?: LoopShareOptions | false;
 }
 
 export interface ExecRequest {
@@ -69,6 +72,9 @@ export class AgentClient {
     this.connection = new Connection(socket, {
       role: 'broker',
       log: opts.log ?? noopLogger,
+      // What a guest sends is decoded on the loop every session shares; a guest is not ours
+      // once a tenant has root in it.
+      ...(opts.loopShare !== false ? { loopShare: opts.loopShare ?? GUEST_LOOP_SHARE } : {}),
       ...(opts.maxFrameBytes !== undefined ? { maxFrameBytes: opts.maxFrameBytes } : {}),
       ...(opts.windowBytes !== undefined ? { windowBytes: opts.windowBytes } : {}),
       ...(opts.handshakeTimeoutMs !== undefined ? { handshakeTimeoutMs: opts.handshakeTimeoutMs } : {}),
@@ -273,9 +279,15 @@ export class AgentClient {
           const next = await withIdleDeadline(chunks.next(), idleMs, 'sync.changes');
           if (next.done) break;
           const chunk = next.value;
-          for (const r of records.push(Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength))) {
-            if (!r.ok) throw r.error;
-            const batch = SyncChangesBatchSchema.safeParse(r.value);
+          const decoded = records.push(Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength));
+          for (;;) {
+            // Decoding a record is the guest's to pay for, like decoding its frames.
+            const started = performance.now();
+            const r = decoded.next();
+            if (r.done) break;
+            if (!r.value.ok) throw r.value.error;
+            const batch = SyncChangesBatchSchema.safeParse(r.value.value);
+            this.connection.chargeLoop(performance.now() - started);
             if (!batch.success) throw new HutchError('internal', `invalid sync.changes record from the agent: ${batch.error.issues[0]?.message ?? ''}`);
             if (batch.data.changes.length || batch.data.skipped.length) await onBatch(batch.data);
           }

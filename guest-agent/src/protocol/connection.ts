@@ -17,6 +17,7 @@ import {
   type ResultOf,
 } from './methods.ts';
 import { InboundStream, OutboundStream, type StreamTransport } from './flow-control.ts';
+import { LoopShare, type LoopShareOptions } from './loop-share.ts';
 import { DEFAULT_MAX_FRAME_BYTES, DEFAULT_STREAM_WINDOW_BYTES, MAX_DATA_CHUNK_BYTES, PROTOCOL_VERSION } from './version.ts';
 import { noopLogger, type Logger } from '../log.ts';
 
@@ -73,6 +74,11 @@ export interface ConnectionOptions {
   defaultDeadline?: (method: MethodName, params: unknown, streams: number) => number | undefined;
   /** The error a default deadline raises. */
   defaultDeadlineCode?: 'timeout' | 'guest_unresponsive';
+  /**
+   * Pace reading the peer to this share of the event loop (loop-share.ts): for a peer that
+   * is not trusted with the loop, such as a guest agent as seen by the broker. Unset: unpaced.
+   */
+  loopShare?: LoopShareOptions;
 }
 
 export interface RequestOptions {
@@ -112,6 +118,9 @@ interface ServedRequest {
  * started after a snapshot restore never reuses the epoch of the session that was live
  * when the snapshot was taken.
  */
+/** Notices from the peer logged in full before only every 1,000th is (logPeerNotice). */
+const PEER_NOTICES_LOGGED = 20;
+
 let lastEpoch = randomInt(1, 0x40000000);
 function nextEpoch(): number {
   lastEpoch = lastEpoch >= 0xfffffff0 ? 1 : lastEpoch + 1;
@@ -157,6 +166,7 @@ export class Connection extends EventEmitter {
   private readonly maxProtocolErrors: number;
   private readonly channel: boolean;
   private protocolErrors = 0;
+  private peerNotices = 0;
   private nextRequestId = 1;
   private nextStreamId: number;
   private readonly pending = new Map<number, PendingRequest>();
@@ -186,6 +196,10 @@ export class Connection extends EventEmitter {
   /** Agent: a stale-epoch notice was sent since the last frame of the current epoch. */
   private staleNoticeSent = false;
   private readonly opts: ConnectionOptions;
+  /** Loop time the peer's input may take, when paced. */
+  private readonly loopShare: LoopShare | undefined;
+  /** Set while reading is stopped because the peer ran out of loop time. */
+  private resumeTimer: NodeJS.Timeout | undefined;
 
   constructor(socket: Duplex, opts: ConnectionOptions) {
     super();
@@ -200,6 +214,7 @@ export class Connection extends EventEmitter {
     this.channel = opts.channel ?? false;
     this.caps = opts.caps ?? {};
     this.decoder = new FrameDecoder(this.maxFrame);
+    this.loopShare = opts.loopShare ? new LoopShare(opts.loopShare) : undefined;
     this.nextStreamId = this.role === 'broker' ? 1 : 2;
     this.ready = new Promise((res, rej) => {
       this.resolveReady = res;
@@ -587,7 +602,48 @@ export class Connection extends EventEmitter {
     this.outbound.delete(id);
   }
 
+  /** Times reading the peer was stopped for taking more than its loop share, and for how long in all (ms). */
+  get pacing(): { paused: number; pausedMs: number; chargedMs: number; maxChargeMs: number } {
+    const s = this.loopShare;
+    return { paused: s?.paused ?? 0, pausedMs: s?.pausedMs ?? 0, chargedMs: s?.chargedMs ?? 0, maxChargeMs: s?.maxChargeMs ?? 0 };
+  }
+
   private onData(chunk: Buffer): void {
+    if (!this.loopShare) {
+      this.readChunk(chunk);
+      return;
+    }
+    const started = performance.now();
+    try {
+      this.readChunk(chunk);
+    } finally {
+      this.chargeLoop(performance.now() - started);
+    }
+  }
+
+  /**
+   * Charges loop time spent on the peer's input outside the frame reader (records decoded
+   * from one of its streams) to its share: past it, reading the peer stops for a while.
+   */
+  chargeLoop(ms: number): void {
+    const wait = this.loopShare?.charge(ms) ?? 0;
+    if (wait > 0) this.pauseReading(wait);
+  }
+
+  private pauseReading(ms: number): void {
+    if (this.isClosed || this.resumeTimer) return;
+    this.socket.pause();
+    const { paused, pausedMs } = this.pacing;
+    // The first time, then now and then: a hostile peer would otherwise fill the log instead.
+    if (paused === 1 || paused % 100 === 0) this.log.warn('protocol.peer_paced', { waitMs: Math.round(ms), paused, pausedMs: Math.round(pausedMs) });
+    this.resumeTimer = setTimeout(() => {
+      this.resumeTimer = undefined;
+      if (!this.isClosed) this.socket.resume();
+    }, Math.ceil(ms));
+    this.resumeTimer.unref();
+  }
+
+  private readChunk(chunk: Buffer): void {
     this.lastHeard = Date.now();
     for (const res of this.decoder.push(chunk)) {
       if (this.isClosed) return;
@@ -617,6 +673,18 @@ export class Connection extends EventEmitter {
         this.protocolError(toHutchError(err));
       }
     }
+  }
+
+  /**
+   * A peer's notices go to our log, but the peer decides how many and how long: past the
+   * first few only every 1,000th is logged (with the count), and messages are cut to 1 KiB,
+   * so a broken or hostile guest cannot fill the broker's disk with its words.
+   */
+  private logPeerNotice(e: WireError): void {
+    const n = ++this.peerNotices;
+    if (n > PEER_NOTICES_LOGGED && n % 1000 !== 0) return;
+    const error = e.message.length > 1024 ? `${e.message.slice(0, 1024)}... (${e.message.length} characters)` : e.message;
+    this.log.warn('protocol.peer_notice', { code: e.code, error, ...(n > PEER_NOTICES_LOGGED ? { notices: n } : {}) });
   }
 
   private refuseStaleRaw(): void {
@@ -726,7 +794,7 @@ export class Connection extends EventEmitter {
       case 'pong':
         return; // onData noted that the peer is alive
       case 'notice':
-        this.log.warn('protocol.peer_notice', { code: msg.e.code, error: msg.e.message });
+        this.logPeerNotice(msg.e);
         this.emit('notice', HutchError.fromWire(msg.e));
         return;
     }
@@ -931,6 +999,7 @@ export class Connection extends EventEmitter {
     if (this.helloTimer) clearInterval(this.helloTimer);
     if (this.handshakeDeadline) clearTimeout(this.handshakeDeadline);
     if (this.heartbeat) clearInterval(this.heartbeat);
+    if (this.resumeTimer) clearTimeout(this.resumeTimer);
     this.rejectReady(err);
     this.failEverything(err);
     this.resolveClosed(err.code === 'connection_closed' ? undefined : err);

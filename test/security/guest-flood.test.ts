@@ -1,0 +1,105 @@
+import { afterEach, describe, expect, it } from 'vitest';
+import { performance } from 'node:perf_hooks';
+import { GUEST_LOOP_SHARE, LoopShare } from '../../guest-agent/src/protocol/loop-share.ts';
+import { encodeFrame } from '../../guest-agent/src/protocol/frame-codec.ts';
+import type { Logger } from '../../guest-agent/src/log.ts';
+import { flood, guestPair, type GuestPair } from '../helpers/hostile-guest.ts';
+
+/**
+ * A guest that is no longer ours (a tenant with root in it) writes whatever it likes to the
+ * agent channel, and the broker decodes it on the loop every session shares. The cheapest
+ * way to hurt: answers to requests nobody made, each a 1 MiB frame of empty msgpack maps
+ * (helpers/hostile-guest.ts). Unpaced, the broker did nothing else while the flood lasted.
+ */
+
+const cleanups: Array<() => void> = [];
+afterEach(() => {
+  while (cleanups.length) cleanups.pop()?.();
+});
+
+async function guest(opts: { paced: boolean; log?: Logger }): Promise<GuestPair> {
+  const g = await guestPair(opts);
+  cleanups.push(g.close);
+  return g;
+}
+
+describe('a guest flooding the broker with costly frames', () => {
+  it('is paced to its share of the loop, while another guest on the same loop is answered', async () => {
+    const hostile = await guest({ paced: true });
+    const honest = await guest({ paced: true });
+    const started = performance.now();
+    const f = flood(hostile);
+    // The honest guest's calls keep completing while the flood goes on.
+    const answered: number[] = [];
+    for (let i = 0; i < 5; i++) {
+      await new Promise((r) => setTimeout(r, 300));
+      const t = performance.now();
+      await honest.client.connection.request('ping', {});
+      answered.push(performance.now() - t);
+    }
+    f.stop();
+    const elapsed = performance.now() - started;
+    const pacing = hostile.client.connection.pacing;
+    expect(pacing.paused).toBeGreaterThan(0);
+    // What the hostile guest's frames took is bounded by its share of the time that passed,
+    // plus the burst, plus the chunk that ran it into debt (one frame's decode at most).
+    expect(pacing.chargedMs).toBeLessThanOrEqual(GUEST_LOOP_SHARE.burstMs + GUEST_LOOP_SHARE.share * elapsed + pacing.maxChargeMs + 1);
+    expect(honest.client.connection.pacing.paused).toBe(0);
+    expect(answered).toHaveLength(5);
+    // The hostile guest still has its session: pacing is not a punishment, only a budget.
+    expect(hostile.client.connection.isOpen).toBe(true);
+  });
+});
+
+describe('a guest flooding the broker with notices', () => {
+  it("logs the first few, then every 1,000th with the count, each cut to 1 KiB: the guest cannot fill the broker's disk", async () => {
+    const lines: Array<{ msg: string; fields: Record<string, unknown> }> = [];
+    const log = {
+      debug: () => undefined,
+      info: () => undefined,
+      warn: (msg: string, fields: Record<string, unknown> = {}) => void lines.push({ msg, fields }),
+      error: () => undefined,
+      child: () => log,
+    } as unknown as Logger;
+    const hostile = await guest({ paced: true, log });
+    const epoch = (hostile.client.connection.peer as { ep: number }).ep;
+    const notice = encodeFrame({ t: 'notice', e: { code: 'internal', message: 'x'.repeat(8 * 1024) }, ep: epoch }, 1024 * 1024);
+    const N = 3000;
+    await new Promise<void>((resolve) => hostile.agentSocket.write(Buffer.concat(Array.from({ length: N }, () => notice)), () => resolve()));
+    // Every notice has been read once the ping sent after them is answered.
+    await hostile.client.connection.request('ping', {});
+    const notices = lines.filter((l) => l.msg === 'protocol.peer_notice');
+    expect(notices.length).toBe(20 + Math.floor(N / 1000));
+    expect(notices.at(-1)?.fields['notices']).toBe(3000);
+    for (const l of notices) expect(String(l.fields['error']).length).toBeLessThan(1100);
+    expect(hostile.client.connection.isOpen).toBe(true);
+  });
+});
+
+describe('LoopShare', () => {
+  it('allows the burst, then asks for a pause that earns the debt back at the share', () => {
+    let now = 0;
+    const s = new LoopShare({ share: 0.2, burstMs: 250, now: () => now });
+    expect(s.charge(200)).toBe(0);
+    now += 10; // +2 ms earned: 52 left
+    expect(s.charge(150)).toBeCloseTo(98 / 0.2, 6);
+    // After waiting exactly that long the debt is gone.
+    now += 98 / 0.2;
+    expect(s.charge(0)).toBe(0);
+    expect(s.paused).toBe(1);
+  });
+
+  it('never holds more than the burst, however long the peer was quiet', () => {
+    let now = 0;
+    const s = new LoopShare({ share: 0.5, burstMs: 100, now: () => now });
+    now += 1_000_000;
+    expect(s.charge(100)).toBe(0);
+    expect(s.charge(1)).toBeCloseTo(2, 6);
+  });
+
+  it('refuses a share outside (0, 1] and a negative burst', () => {
+    expect(() => new LoopShare({ share: 0, burstMs: 1 })).toThrow(RangeError);
+    expect(() => new LoopShare({ share: 1.5, burstMs: 1 })).toThrow(RangeError);
+    expect(() => new LoopShare({ share: 0.5, burstMs: -1 })).toThrow(RangeError);
+  });
+});
