@@ -56,4 +56,39 @@ describe('QMP client', () => {
       rmSync(m.dir, { recursive: true, force: true });
     }
   });
+
+  it('a monitor that writes without end (a QEMU a guest escaped into) fails the waiting command as soon as a message passes 1 MiB', async () => {
+    let conn: import('node:net').Socket | undefined;
+    let sent = 0;
+    const m = await fakeMonitor((s) => {
+      conn = s;
+      s.write('{"QMP": {"version": {}, "capabilities": []}}\n');
+      s.once('data', () => {
+        s.write('{"return": {}}\n');
+        // The answer to the next command never ends.
+        s.once('data', () => {
+          const chunk = Buffer.alloc(64 * 1024, 0x20);
+          const pump = () => {
+            while (!s.destroyed && sent < 64 * 1024 * 1024) {
+              sent += chunk.length;
+              if (!s.write(chunk)) return void s.once('drain', pump);
+            }
+          };
+          s.on('error', () => undefined);
+          pump();
+        });
+      });
+    });
+    try {
+      const c = await QmpClient.connect(m.path, 5_000);
+      await expect(c.execute('query-status')).rejects.toMatchObject({ code: 'guest_crashed', message: expect.stringContaining('over 1048576 bytes') });
+      // The client stopped reading at the limit, not at the writer's 64 MiB.
+      expect(sent).toBeLessThan(16 * 1024 * 1024);
+      await expect(c.execute('query-status')).rejects.toMatchObject({ code: 'guest_crashed' });
+    } finally {
+      conn?.destroy();
+      m.server.close();
+      rmSync(m.dir, { recursive: true, force: true });
+    }
+  });
 });

@@ -1,5 +1,4 @@
 import { afterEach, describe, expect, it } from 'vitest';
-import { performance } from 'node:perf_hooks';
 import { GUEST_LOOP_SHARE, LoopShare } from '../../guest-agent/src/protocol/loop-share.ts';
 import { encodeFrame } from '../../guest-agent/src/protocol/frame-codec.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
@@ -27,23 +26,19 @@ describe('a guest flooding the broker with costly frames', () => {
   it('is paced to its share of the loop, while another guest on the same loop is answered', async () => {
     const hostile = await guest({ paced: true });
     const honest = await guest({ paced: true });
-    const started = performance.now();
     const f = flood(hostile);
     // The honest guest's calls keep completing while the flood goes on.
     const answered: number[] = [];
     for (let i = 0; i < 5; i++) {
       await new Promise((r) => setTimeout(r, 300));
-      const t = performance.now();
-      await honest.client.connection.request('ping', {});
-      answered.push(performance.now() - t);
+      answered.push((await honest.client.connection.request('ping', {})).now);
     }
     f.stop();
-    const elapsed = performance.now() - started;
     const pacing = hostile.client.connection.pacing;
+    // Reading the hostile guest stopped (the bound this gives is the LoopShare test below;
+    // what it is worth in loop time, bench/guest-flood.ts).
     expect(pacing.paused).toBeGreaterThan(0);
-    // What the hostile guest's frames took is bounded by its share of the time that passed,
-    // plus the burst, plus the chunk that ran it into debt (one frame's decode at most).
-    expect(pacing.chargedMs).toBeLessThanOrEqual(GUEST_LOOP_SHARE.burstMs + GUEST_LOOP_SHARE.share * elapsed + pacing.maxChargeMs + 1);
+    expect(pacing.pausedMs).toBeGreaterThan(0);
     expect(honest.client.connection.pacing.paused).toBe(0);
     expect(answered).toHaveLength(5);
     // The hostile guest still has its session: pacing is not a punishment, only a budget.
@@ -87,6 +82,27 @@ describe('LoopShare', () => {
     now += 98 / 0.2;
     expect(s.charge(0)).toBe(0);
     expect(s.paused).toBe(1);
+  });
+
+  it('a peer that spends whatever it may, and waits only as told, gets at most the burst plus its share of the time plus one charge', () => {
+    let now = 0;
+    const opts = { share: GUEST_LOOP_SHARE.share, burstMs: GUEST_LOOP_SHARE.burstMs, now: () => now };
+    const s = new LoopShare(opts);
+    // A deterministic spread of costs: small frames and 200 ms ones, as a flood mixes them.
+    let seed = 7;
+    for (let i = 0; i < 10_000; i++) {
+      seed = (seed * 1103515245 + 12345) % 2 ** 31;
+      const ms = seed % 5 === 0 ? 200 : seed % 7;
+      now += ms; // the work itself takes the loop's time
+      const wait = s.charge(ms);
+      now += wait; // reading stopped for as long as asked
+      // On this fake clock: what it has been allowed so far, less what it took, is never below zero.
+      const slack = opts.burstMs + opts.share * now + s.maxChargeMs - s.chargedMs;
+      expect(slack).toBeGreaterThanOrEqual(-1e-6);
+    }
+    expect(s.paused).toBeGreaterThan(100);
+    // Over a long run the share is what it takes.
+    expect(s.chargedMs / now).toBeCloseTo(opts.share, 1);
   });
 
   it('never holds more than the burst, however long the peer was quiet', () => {

@@ -1,7 +1,7 @@
 import { spawn, type ChildProcess } from 'node:child_process';
-import { createInterface } from 'node:readline';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
+import { boundedLines } from './bounded-lines.ts';
 
 /**
  * Long-lived helper processes the broker owns (a local agent, a QEMU VM). Tenant commands
@@ -34,6 +34,11 @@ export interface DaemonOptions {
   extraFds?: number[];
 }
 
+/** Longest output line kept (a QEMU's console is the guest's to write). */
+export const DAEMON_MAX_LINE_BYTES = 4096;
+/** Interesting lines logged in full before only every 1,000th is. */
+const LOGGED_IN_FULL = 100;
+
 export function startDaemon(opts: DaemonOptions): Daemon {
   const [file, ...args] = opts.argv;
   if (!file) throw new HutchError('bad_request', 'empty argv');
@@ -44,15 +49,26 @@ export function startDaemon(opts: DaemonOptions): Daemon {
     detached: opts.group ?? false,
   });
   const lines: string[] = [];
-  const onLine = (line: string) => {
+  let interesting = 0;
+  const onLine = (whole: string, cutBytes: number) => {
+    const line = cutBytes ? `${whole}... (${cutBytes} bytes cut)` : whole;
     lines.push(line);
     if (lines.length > 50) lines.shift();
     opts.onLine?.(line);
-    if (opts.interesting?.test(line)) opts.log.info('daemon.output', { line });
-    else opts.log.debug('daemon.output', { line });
+    if (!opts.interesting?.test(line)) {
+      opts.log.debug('daemon.output', { line });
+      return;
+    }
+    // A guest as root can write its console as fast as QEMU emulates the port: the first
+    // lines in full, then a sample with the count, so it cannot fill the broker's log.
+    const n = ++interesting;
+    if (n <= LOGGED_IN_FULL || n % 1000 === 0) opts.log.info('daemon.output', { line, ...(n > LOGGED_IN_FULL ? { interestingLines: n } : {}) });
   };
-  // The interface re-emits stream errors on itself; unheard, they would crash the broker.
-  for (const s of [proc.stdout, proc.stderr]) if (s) createInterface({ input: s }).on('line', onLine).on('error', () => undefined);
+  for (const s of [proc.stdout, proc.stderr]) {
+    if (!s) continue;
+    boundedLines(s, DAEMON_MAX_LINE_BYTES, onLine);
+    s.on('error', () => undefined);
+  }
   let running = true;
   const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) => {
     proc.once('exit', (code, signal) => {

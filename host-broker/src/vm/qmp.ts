@@ -1,13 +1,15 @@
 import { connect, type Socket } from 'node:net';
 import { EventEmitter } from 'node:events';
-import { createInterface } from 'node:readline';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import { boundedLines } from '../util/bounded-lines.ts';
 
 /**
  * A QEMU Machine Protocol client: JSON lines over QEMU's QMP Unix socket. Commands are
  * answered in order, so replies are matched FIFO; asynchronous events (MIGRATION, STOP,
  * SHUTDOWN, ...) are emitted as 'event'.
  */
+/** Longest QMP message taken: QEMU's answers to hutch's commands are a few KiB. */
+export const QMP_MAX_LINE_BYTES = 1024 * 1024;
 /** A QMP command's deadline: QEMU answers control commands at once unless it is stopped or wedged. */
 const QMP_COMMAND_TIMEOUT_MS = 30_000;
 
@@ -17,11 +19,16 @@ export class QmpClient extends EventEmitter {
 
   private constructor(private readonly sock: Socket) {
     super();
-    // readline re-emits its input's errors on itself: unheard, a QEMU that dies mid-connect
-    // (ECONNRESET) would be an uncaught exception that takes the whole broker down.
-    createInterface({ input: sock })
-      .on('line', (line) => this.onLine(line))
-      .on('error', () => undefined);
+    // A QEMU that is no longer ours (a guest escaped into it) may write without end: a
+    // message past the limit ends the connection, so the VM is torn down by its owner.
+    boundedLines(
+      sock,
+      QMP_MAX_LINE_BYTES,
+      (line, cut) => {
+        if (!cut) this.onLine(line);
+      },
+      () => this.fail(new HutchError('guest_crashed', `QEMU sent a QMP message over ${QMP_MAX_LINE_BYTES} bytes`, { limit: QMP_MAX_LINE_BYTES })),
+    );
     sock.on('close', () => {
       this.closed = true;
       for (const q of this.queue.splice(0)) q.reject(new HutchError('guest_crashed', `QMP connection closed during ${q.cmd}`));
@@ -123,6 +130,11 @@ export class QmpClient extends EventEmitter {
   }
 
   close(): void {
+    this.sock.destroy();
+  }
+
+  private fail(err: HutchError): void {
+    for (const q of this.queue.splice(0)) q.reject(err);
     this.sock.destroy();
   }
 
