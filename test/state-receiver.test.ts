@@ -26,7 +26,7 @@ function sendAs(uid: number, path: string, data: string): Promise<{ status: numb
 describe('snapshot state receiver (the socket a jailed QEMU streams a snapshot into)', () => {
   it('only the VM\'s own id reaches the socket; its stream lands whole in a file QEMU could not open', async () => {
     const stateFile = join(work, 'state.bin');
-    const rx = await openStateReceiver(stateFile, VM_UID, 30_000, 'vm-a');
+    const rx = await openStateReceiver(stateFile, VM_UID, 'vm-a', { timeoutMs: 30_000, maxBytes: 64 << 20 });
     const path = rx.uri.replace(/^unix:/, '');
     const dir = dirname(path);
     expect(statSync(dir).uid).toBe(VM_UID);
@@ -45,7 +45,7 @@ describe('snapshot state receiver (the socket a jailed QEMU streams a snapshot i
   });
 
   it('takes one stream only: a second connection finds nobody listening', async () => {
-    const rx = await openStateReceiver(join(work, 'one.bin'), VM_UID, 30_000, 'vm-b');
+    const rx = await openStateReceiver(join(work, 'one.bin'), VM_UID, 'vm-b', { timeoutMs: 30_000, maxBytes: 64 << 20 });
     const path = rx.uri.replace(/^unix:/, '');
     expect((await sendAs(VM_UID, path, 'first')).status).toBe(0);
     await rx.done;
@@ -62,7 +62,7 @@ describe('snapshot state receiver (the socket a jailed QEMU streams a snapshot i
     process.env['TMPDIR'] = join(closed, 'tmp');
     mkdirSync(process.env['TMPDIR'], { mode: 0o1777 });
     try {
-      await expect(openStateReceiver(join(work, 'x.bin'), VM_UID, 1000, 'vm-d')).rejects.toThrow(new RegExp(`cannot search ${closed}`));
+      await expect(openStateReceiver(join(work, 'x.bin'), VM_UID, 'vm-d', { timeoutMs: 1000, maxBytes: 64 << 20 })).rejects.toThrow(new RegExp(`cannot search ${closed}`));
     } finally {
       if (saved === undefined) delete process.env['TMPDIR'];
       else process.env['TMPDIR'] = saved;
@@ -70,7 +70,7 @@ describe('snapshot state receiver (the socket a jailed QEMU streams a snapshot i
   });
 
   it('gives up with a typed timeout when no stream comes, and leaves no directory behind', async () => {
-    const rx = await openStateReceiver(join(work, 'never.bin'), VM_UID, 300, 'vm-c');
+    const rx = await openStateReceiver(join(work, 'never.bin'), VM_UID, 'vm-c', { timeoutMs: 300, maxBytes: 64 << 20 });
     const dir = dirname(rx.uri.replace(/^unix:/, ''));
     const err = await rx.done.catch((e: unknown) => e);
     expect(err).toBeInstanceOf(HutchError);
@@ -78,5 +78,16 @@ describe('snapshot state receiver (the socket a jailed QEMU streams a snapshot i
     expect((err as HutchError).message).toMatch(/vm-c/);
     expect(existsSync(dir)).toBe(false);
     rx.close();
+  });
+
+  it('refuses a stream longer than the VM could hold (a QEMU that is no longer ours filling the disk): typed, the partial file gone', async () => {
+    const stateFile = join(work, 'endless.bin');
+    const rx = await openStateReceiver(stateFile, VM_UID, 'vm-e', { timeoutMs: 30_000, maxBytes: 1 << 20 });
+    const path = rx.uri.replace(/^unix:/, '');
+    const sender = sendAs(VM_UID, path, `#${8 << 20}`);
+    await expect(rx.done).rejects.toMatchObject({ code: 'too_large', message: expect.stringContaining('passed 1048576 bytes') });
+    rx.close();
+    await sender; // cut off (EPIPE or reset) or done: either way it ends
+    expect(existsSync(stateFile)).toBe(false);
   });
 });

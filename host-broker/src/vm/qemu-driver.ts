@@ -338,14 +338,16 @@ class QemuVm implements Vm {
       throw vsockSnapshotError(this.spec.id, q?.['blocked-reasons']);
     }
     const t0 = performance.now();
-    const rx = await openStateReceiver(stateFile, this.uid, 120_000, this.spec.id);
+    // RAM goes into the stream (a restored VM's is a private mapping), device state is a few MiB.
+    const rx = await openStateReceiver(stateFile, this.uid, this.spec.id, { timeoutMs: 120_000, maxBytes: (this.spec.memoryMiB + 64) * 2 ** 20 });
     try {
       await this.qmp.execute('stop');
       await this.qmp.execute('migrate-set-capabilities', { capabilities: MIGRATION_CAPS });
       const done = this.qmp.waitEvent('MIGRATION', (d) => d['status'] === 'completed' || d['status'] === 'failed', 120_000);
       done.catch(() => undefined); // see loadSnapshot
       await this.qmp.execute('migrate', { uri: rx.uri });
-      const ev = await done;
+      // A stream the receiver refused (past the VM's size) fails the snapshot at once.
+      const ev = await Promise.race([done, rx.done.then(() => done)]);
       if (ev['status'] !== 'completed') {
         const q = await this.qmp.execute<{ 'error-desc'?: string }>('query-migrate').catch(() => undefined);
         throw new HutchError('internal', `snapshot migration ${String(ev['status'])}${q?.['error-desc'] ? `: ${q['error-desc']}` : ''}`, { vm: this.spec.id });

@@ -2,6 +2,7 @@ import { chownSync, createWriteStream, mkdtempSync, rmSync, statSync } from 'nod
 import { createServer, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
+import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 
@@ -25,7 +26,18 @@ export interface StateReceiver {
   close(): void;
 }
 
-export async function openStateReceiver(stateFile: string, uid: number | undefined, timeoutMs: number, vm: string): Promise<StateReceiver> {
+export interface StateReceiverLimits {
+  /** The stream must have ended by then. */
+  timeoutMs: number;
+  /**
+   * The most a snapshot of this VM can be (its RAM and device state): a QEMU that sends
+   * more is no longer ours, and the partial file goes before it fills the disk.
+   */
+  maxBytes: number;
+}
+
+export async function openStateReceiver(stateFile: string, uid: number | undefined, vm: string, limits: StateReceiverLimits): Promise<StateReceiver> {
+  const { timeoutMs, maxBytes } = limits;
   if (uid !== undefined) assertSearchable(tmpdir(), vm);
   const dir = mkdtempSync(join(tmpdir(), 'hutch-state-'));
   const path = join(dir, 's');
@@ -62,9 +74,22 @@ export async function openStateReceiver(stateFile: string, uid: number | undefin
       srv.close();
       conn = c;
       const out = createWriteStream(stateFile, { mode: 0o600 });
-      pipeline(c, out)
+      let received = 0;
+      const cap = new Transform({
+        transform(chunk: Buffer, _enc, cb) {
+          received += chunk.length;
+          if (received > maxBytes) cb(new HutchError('too_large', `the snapshot stream of VM ${vm} passed ${maxBytes} bytes, more than the VM holds`, { vm, limit: maxBytes }));
+          else cb(null, chunk);
+        },
+      });
+      pipeline(c, cap, out)
         .then(() => resolve(out.bytesWritten))
-        .catch((err: Error) => reject(new HutchError('internal', `writing the snapshot state of VM ${vm} to ${stateFile}: ${err.message}`, { vm })));
+        .catch((err: Error) => {
+          if (err instanceof HutchError) {
+            rmSync(stateFile, { force: true });
+            reject(err);
+          } else reject(new HutchError('internal', `writing the snapshot state of VM ${vm} to ${stateFile}: ${err.message}`, { vm }));
+        });
     });
   });
   done.catch(() => undefined); // the caller awaits it only once the migration completed
