@@ -113,14 +113,14 @@ interface ServedRequest {
   epoch: number;
 }
 
+/** Notices from the peer logged in full before only every 1,000th is (logPeerNotice). */
+const PEER_NOTICES_LOGGED = 20;
+
 /**
  * Epochs are per agent process and only ever grow (from a random start), so a session
  * started after a snapshot restore never reuses the epoch of the session that was live
  * when the snapshot was taken.
  */
-/** Notices from the peer logged in full before only every 1,000th is (logPeerNotice). */
-const PEER_NOTICES_LOGGED = 20;
-
 let lastEpoch = randomInt(1, 0x40000000);
 function nextEpoch(): number {
   lastEpoch = lastEpoch >= 0xfffffff0 ? 1 : lastEpoch + 1;
