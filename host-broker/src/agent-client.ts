@@ -7,6 +7,7 @@ import type { ExecResult, MethodName, ParamsOf, ResultOf, SyncChange, SignalSche
 import { SYNC_RECORD_MAX_BYTES, SyncChangesBatchSchema, type SyncChangesBatch } from '../../guest-agent/src/protocol/methods.ts';
 import { FrameDecoder } from '../../guest-agent/src/protocol/frame-codec.ts';
 import { GUEST_LOOP_SHARE, type LoopShareOptions } from '../../guest-agent/src/protocol/loop-share.ts';
+import { GUEST_FRAME_SHAPE_LIMITS, type ShapeLimits } from '../../guest-agent/src/protocol/value-shape.ts';
 import { nameToBytes } from '../../guest-agent/src/workspace/names.ts';
 import type { InboundStream } from '../../guest-agent/src/protocol/flow-control.ts';
 import { noopLogger, type Logger } from '../../guest-agent/src/log.ts';
@@ -31,6 +32,8 @@ export interface AgentClientOptions {
   deadAfterMs?: number;
   /** How much of the broker's loop this guest's input may take (default GUEST_LOOP_SHARE); false: unpaced (benches' baselines). */
   loopShare?: LoopShareOptions | false;
+  /** What a frame or sync record from this guest may hold (default GUEST_FRAME_SHAPE_LIMITS); false: unchecked (benches' baselines). */
+  frameShape?: ShapeLimits | false;
 }
 
 export interface ExecRequest {
@@ -69,12 +72,14 @@ export class AgentClient {
   readonly connection: Connection;
 
   constructor(socket: Duplex, opts: AgentClientOptions = {}) {
+    this.frameShape = opts.frameShape === false ? undefined : (opts.frameShape ?? GUEST_FRAME_SHAPE_LIMITS);
     this.connection = new Connection(socket, {
       role: 'broker',
       log: opts.log ?? noopLogger,
       // What a guest sends is decoded on the loop every session shares; a guest is not ours
       // once a tenant has root in it.
       ...(opts.loopShare !== false ? { loopShare: opts.loopShare ?? GUEST_LOOP_SHARE } : {}),
+      ...(this.frameShape ? { frameShape: this.frameShape } : {}),
       ...(opts.maxFrameBytes !== undefined ? { maxFrameBytes: opts.maxFrameBytes } : {}),
       ...(opts.windowBytes !== undefined ? { windowBytes: opts.windowBytes } : {}),
       ...(opts.handshakeTimeoutMs !== undefined ? { handshakeTimeoutMs: opts.handshakeTimeoutMs } : {}),
@@ -90,6 +95,8 @@ export class AgentClient {
     });
     this.policy = opts.deadlines;
   }
+
+  private readonly frameShape: ShapeLimits | undefined;
 
   private readonly policy: DeadlinePolicy | undefined;
   /** Entries the guest's workspace holds (from the last sync.mark): scans are sized by it. */
@@ -272,7 +279,7 @@ export class AgentClient {
       ...(idleMs !== undefined ? { timeoutMs: STREAM_PROGRESS_ONLY_MS } : {}),
     });
     const consume = (async () => {
-      const records = new FrameDecoder(SYNC_RECORD_MAX_BYTES);
+      const records = new FrameDecoder(SYNC_RECORD_MAX_BYTES, this.frameShape);
       const chunks = s[Symbol.asyncIterator]();
       try {
         for (;;) {

@@ -7,8 +7,9 @@ import { flood, guestPair, type GuestPair } from '../helpers/hostile-guest.ts';
 /**
  * A guest that is no longer ours (a tenant with root in it) writes whatever it likes to the
  * agent channel, and the broker decodes it on the loop every session shares. The cheapest
- * way to hurt: answers to requests nobody made, each a 1 MiB frame of empty msgpack maps
- * (helpers/hostile-guest.ts). Unpaced, the broker did nothing else while the flood lasted.
+ * way to hurt: answers to requests nobody made, each a 1 MiB frame of the costliest
+ * content (helpers/hostile-guest.ts). Unguarded, the broker did nothing else while the
+ * flood lasted, ~180 ms per frame.
  */
 
 const cleanups: Array<() => void> = [];
@@ -16,17 +17,39 @@ afterEach(() => {
   while (cleanups.length) cleanups.pop()?.();
 });
 
-async function guest(opts: { paced: boolean; log?: Logger }): Promise<GuestPair> {
+async function guest(opts: { guarded: boolean; log?: Logger }): Promise<GuestPair> {
   const g = await guestPair(opts);
   cleanups.push(g.close);
   return g;
 }
 
 describe('a guest flooding the broker with costly frames', () => {
-  it('is paced to its share of the loop, while another guest on the same loop is answered', async () => {
-    const hostile = await guest({ paced: true });
-    const honest = await guest({ paced: true });
-    const f = flood(hostile);
+  it('frames past the shape limits are refused unread, and a guest that keeps sending them loses its channel', async () => {
+    const lines: Array<Record<string, unknown>> = [];
+    const log = {
+      debug: () => undefined,
+      info: () => undefined,
+      warn: (msg: string, fields: Record<string, unknown> = {}) => void (msg === 'protocol.bad_frame' && lines.push(fields)),
+      error: () => undefined,
+      child: () => log,
+    } as unknown as Logger;
+    const hostile = await guest({ guarded: true, log });
+    const honest = await guest({ guarded: true });
+    const f = flood(hostile, 'empty-maps');
+    const closed = await hostile.client.connection.closed;
+    f.stop();
+    expect(closed).toMatchObject({ code: 'bad_request', message: expect.stringContaining('more than 1000 bad frames') });
+    expect(lines.length).toBeGreaterThan(1000);
+    expect(lines[0]).toMatchObject({ code: 'too_large', error: expect.stringContaining('maps, arrays, binaries and extensions') });
+    // The other guest on the same loop is untouched.
+    expect(typeof (await honest.client.connection.request('ping', {})).now).toBe('number');
+    expect(honest.client.connection.isOpen).toBe(true);
+  });
+
+  it('the costliest frames the limits let through are paced to its share of the loop, while another guest on the same loop is answered', async () => {
+    const hostile = await guest({ guarded: true });
+    const honest = await guest({ guarded: true });
+    const f = flood(hostile, 'within-limits');
     // The honest guest's calls keep completing while the flood goes on.
     const answered: number[] = [];
     for (let i = 0; i < 5; i++) {
@@ -56,7 +79,7 @@ describe('a guest flooding the broker with notices', () => {
       error: () => undefined,
       child: () => log,
     } as unknown as Logger;
-    const hostile = await guest({ paced: true, log });
+    const hostile = await guest({ guarded: true, log });
     const epoch = (hostile.client.connection.peer as { ep: number }).ep;
     const notice = encodeFrame({ t: 'notice', e: { code: 'internal', message: 'x'.repeat(8 * 1024) }, ep: epoch }, 1024 * 1024);
     const N = 3000;

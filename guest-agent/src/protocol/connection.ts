@@ -18,6 +18,7 @@ import {
 } from './methods.ts';
 import { InboundStream, OutboundStream, type StreamTransport } from './flow-control.ts';
 import { LoopShare, type LoopShareOptions } from './loop-share.ts';
+import type { ShapeLimits } from './value-shape.ts';
 import { DEFAULT_MAX_FRAME_BYTES, DEFAULT_STREAM_WINDOW_BYTES, MAX_DATA_CHUNK_BYTES, PROTOCOL_VERSION } from './version.ts';
 import { noopLogger, type Logger } from '../log.ts';
 
@@ -79,6 +80,8 @@ export interface ConnectionOptions {
    * is not trusted with the loop, such as a guest agent as seen by the broker. Unset: unpaced.
    */
   loopShare?: LoopShareOptions;
+  /** Check each frame's shape before decoding it (value-shape.ts), for a peer that picks costly content. Unset: unchecked. */
+  frameShape?: ShapeLimits;
 }
 
 export interface RequestOptions {
@@ -213,7 +216,7 @@ export class Connection extends EventEmitter {
     this.maxProtocolErrors = opts.maxProtocolErrors ?? 1000;
     this.channel = opts.channel ?? false;
     this.caps = opts.caps ?? {};
-    this.decoder = new FrameDecoder(this.maxFrame);
+    this.decoder = new FrameDecoder(this.maxFrame, opts.frameShape);
     this.loopShare = opts.loopShare ? new LoopShare(opts.loopShare) : undefined;
     this.nextStreamId = this.role === 'broker' ? 1 : 2;
     this.ready = new Promise((res, rej) => {
@@ -652,7 +655,7 @@ export class Connection extends EventEmitter {
           if (this.channel && this.role === 'agent' && !this.peer) {
             // Bytes meant for an earlier reader of the port (framing lost mid-stream): start
             // over at the next write; the broker's resent hello begins on a frame boundary.
-            this.decoder = new FrameDecoder(this.maxFrame);
+            this.decoder = new FrameDecoder(this.maxFrame, this.opts.frameShape);
             this.refuseStaleRaw();
             return;
           }

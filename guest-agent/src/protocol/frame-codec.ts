@@ -1,5 +1,6 @@
 import { Packr } from 'msgpackr';
 import { HutchError } from './errors.ts';
+import { checkMsgpackShape, type ShapeLimits } from './value-shape.ts';
 
 /**
  * Frames are a 4-byte big-endian body length followed by one msgpack value.
@@ -61,7 +62,11 @@ export class FrameDecoder {
   private expected = -1; // body length of the frame being read, -1 while reading a header
   private failed = false;
 
-  constructor(private readonly maxFrameBytes: number) {}
+  /** `shape`: checked on each body before it is decoded (for a peer that picks costly content). */
+  constructor(
+    private readonly maxFrameBytes: number,
+    private readonly shape?: ShapeLimits,
+  ) {}
 
   /** Bytes held for a partial frame; bounded by the frame limit. */
   get bufferedBytes(): number {
@@ -104,7 +109,7 @@ export class FrameDecoder {
       if (this.buffered < this.expected) return;
       const body = this.take(this.expected);
       this.expected = -1;
-      yield decodeBody(body);
+      yield decodeBody(body, this.shape);
     }
   }
 
@@ -134,7 +139,12 @@ export class FrameDecoder {
   }
 }
 
-function decodeBody(body: Buffer): DecodeResult {
+function decodeBody(body: Buffer, shape: ShapeLimits | undefined): DecodeResult {
+  try {
+    if (shape) checkMsgpackShape(body, shape);
+  } catch (err) {
+    return { ok: false, fatal: false, error: err as HutchError };
+  }
   try {
     // unpackMultiple would accept trailing garbage silently; a frame holds exactly one value.
     const values = packr.unpackMultiple(body) as unknown[];

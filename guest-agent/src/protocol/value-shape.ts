@@ -15,6 +15,12 @@ export interface ShapeLimits {
   maxDepth: number;
   /** Values in all, containers and keys included. */
   maxValues: number;
+  /**
+   * msgpack only: values the decoder builds an object for (maps, arrays, binaries,
+   * extensions), the costly ones: 180-350 ns each against ~20 for a number or a short
+   * string. Unset: no limit beyond maxValues.
+   */
+  maxObjects?: number;
 }
 
 /**
@@ -23,8 +29,22 @@ export interface ShapeLimits {
  */
 export const DEFAULT_SHAPE_LIMITS: ShapeLimits = { maxDepth: 64, maxValues: 200_000 };
 
+/**
+ * What the broker decodes from a guest's agent (its frames, its sync records; 1 MiB each).
+ * A guest that is no longer ours picks the costliest content: a frame of empty maps took
+ * ~180 ms to decode, one of one-byte binaries ~100 ms. Within these a frame costs ~70 ms
+ * at most (bench/guest-flood.ts). The agent's largest answers stay well inside them:
+ * 1 MiB of listed paths or grep matches is under 60,000 entries (one map each, about
+ * 290,000-370,000 values), a sync record of small files two objects per file.
+ */
+export const GUEST_FRAME_SHAPE_LIMITS: ShapeLimits = { maxDepth: 64, maxValues: 600_000, maxObjects: 128_000 };
+
 function tooDeep(limits: ShapeLimits): HutchError {
   return new HutchError('bad_request', `the message nests deeper than ${limits.maxDepth} levels`, { limit: limits.maxDepth });
+}
+
+function tooManyObjects(limits: ShapeLimits): HutchError {
+  return new HutchError('too_large', `the message has more than ${limits.maxObjects} maps, arrays, binaries and extensions`, { limit: limits.maxObjects });
 }
 
 function tooMany(limits: ShapeLimits): HutchError {
@@ -40,6 +60,8 @@ export function checkMsgpackShape(buf: Uint8Array, limits: ShapeLimits = DEFAULT
   // Values still expected in each open container, innermost last.
   const open: number[] = [];
   let values = 0;
+  let objects = 0;
+  const maxObjects = limits.maxObjects ?? Infinity;
   let p = 0;
   const n = buf.length;
   const u16 = (at: number) => ((buf[at] as number) << 8) | (buf[at + 1] as number);
@@ -75,6 +97,10 @@ export function checkMsgpackShape(buf: Uint8Array, limits: ShapeLimits = DEFAULT
         case 0xdf: (items = u32(p + 1) * 2), (p += 5); break;
         default: return; // 0xc1 is never used: the decoder says what is wrong
       }
+    // Containers, bin8-32 and ext8-32 (0xc4-0xc9), fixext1-16 (0xd4-0xd8).
+    if (items >= 0 || (b >= 0xc4 && b <= 0xc9) || (b >= 0xd4 && b <= 0xd8)) {
+      if (++objects > maxObjects) throw tooManyObjects(limits);
+    }
     // This value fills one slot of its container; full containers close.
     let top = open.length - 1;
     if (top >= 0) {
