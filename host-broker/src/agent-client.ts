@@ -1,6 +1,6 @@
 import { connect } from 'node:net';
 import type { Duplex } from 'node:stream';
-import { Connection, type RequestOptions } from '../../guest-agent/src/protocol/connection.ts';
+import { Connection, OUTPUT_BACKLOG_BYTES, type RequestOptions } from '../../guest-agent/src/protocol/connection.ts';
 import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import type { Hello } from '../../guest-agent/src/protocol/messages.ts';
 import type { ExecResult, MethodName, ParamsOf, ResultOf, SyncChange, SignalSchema } from '../../guest-agent/src/protocol/methods.ts';
@@ -30,7 +30,11 @@ export interface AgentClientOptions {
   deadlines?: DeadlinePolicy;
   heartbeatMs?: number;
   deadAfterMs?: number;
-  /** How much of the broker's loop this guest's input may take (default GUEST_LOOP_SHARE); false: unpaced (benches' baselines). */
+  /**
+   * How much of the broker's loop this guest's input may take (default GUEST_LOOP_SHARE),
+   * reading it stopped too while OUTPUT_BACKLOG_BYTES of answers wait for it; false: neither
+   * (benches' baselines).
+   */
   loopShare?: LoopShareOptions | false;
   /** What a frame or sync record from this guest may hold (default GUEST_FRAME_SHAPE_LIMITS); false: unchecked (benches' baselines). */
   frameShape?: ShapeLimits | false;
@@ -80,6 +84,7 @@ export class AgentClient {
       // once a tenant has root in it.
       ...(opts.loopShare !== false ? { loopShare: opts.loopShare ?? GUEST_LOOP_SHARE } : {}),
       ...(this.frameShape ? { frameShape: this.frameShape } : {}),
+      ...(opts.loopShare !== false ? { maxOutputBacklogBytes: OUTPUT_BACKLOG_BYTES } : {}),
       ...(opts.maxFrameBytes !== undefined ? { maxFrameBytes: opts.maxFrameBytes } : {}),
       ...(opts.windowBytes !== undefined ? { windowBytes: opts.windowBytes } : {}),
       ...(opts.handshakeTimeoutMs !== undefined ? { handshakeTimeoutMs: opts.handshakeTimeoutMs } : {}),

@@ -1,8 +1,10 @@
 import { afterEach, describe, expect, it } from 'vitest';
 import { GUEST_LOOP_SHARE, LoopShare } from '../../guest-agent/src/protocol/loop-share.ts';
 import { encodeFrame } from '../../guest-agent/src/protocol/frame-codec.ts';
+import { OUTPUT_BACKLOG_BYTES } from '../../guest-agent/src/protocol/connection.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
 import { flood, guestPair, type GuestPair } from '../helpers/hostile-guest.ts';
+import { waitFor } from '../helpers/wait-for.ts';
 
 /**
  * A guest that is no longer ours (a tenant with root in it) writes whatever it likes to the
@@ -66,6 +68,34 @@ describe('a guest flooding the broker with costly frames', () => {
     expect(answered).toHaveLength(5);
     // The hostile guest still has its session: pacing is not a punishment, only a budget.
     expect(hostile.client.connection.isOpen).toBe(true);
+  });
+});
+
+describe('a guest that sends requests and never reads the answers', () => {
+  it("stops being read once the broker's answers to it pass the backlog limit, and the broker's queue stays bounded", async () => {
+    const hostile = await guest({ guarded: true });
+    const honest = await guest({ guarded: true });
+    const epoch = (hostile.client.connection.peer as { ep: number }).ep;
+    // The guest's side stops reading (its kernel buffer fills, then the broker's queue would).
+    hostile.agentSocket.pause();
+    // 400,000 requests for a method nobody serves: each answered not_found, none a protocol error.
+    const frames = Buffer.concat(Array.from({ length: 400_000 }, (_, i) => encodeFrame({ t: 'req', id: i + 1, m: 'no.such.method', p: null, ep: epoch }, 1024)));
+    let sent = false;
+    hostile.agentSocket.write(frames, () => void (sent = true));
+    const conn = hostile.client.connection;
+    await waitFor(async () => conn.backlogPauses > 0, 30_000, 'the broker stopping reading the guest');
+    const queued = () => (conn as unknown as { socket: { writableLength: number } }).socket.writableLength;
+    const atPause = queued();
+    await new Promise((r) => setTimeout(r, 500));
+    // Reading stopped: nothing more was answered, and the guest could not hand over all it wrote.
+    expect(queued()).toBe(atPause);
+    expect(atPause).toBeLessThan(OUTPUT_BACKLOG_BYTES + 1024 * 1024);
+    expect(sent).toBe(false);
+    expect(typeof (await honest.client.connection.request('ping', {})).now).toBe('number');
+    // Once the guest reads again, the broker reads it again, and answers everything.
+    hostile.agentSocket.resume();
+    await waitFor(async () => sent, 60_000, 'every request answered and read');
+    expect(conn.isOpen).toBe(true);
   });
 });
 

@@ -82,7 +82,18 @@ export interface ConnectionOptions {
   loopShare?: LoopShareOptions;
   /** Check each frame's shape before decoding it (value-shape.ts), for a peer that picks costly content. Unset: unchecked. */
   frameShape?: ShapeLimits;
+  /**
+   * Stop reading the peer while this many bytes we wrote wait for it to read them: answers
+   * to a peer that sends requests or pings and never reads would otherwise pile up in this
+   * process without bound. Only for one side of a connection (the broker's, facing a guest
+   * it does not trust): were both sides to stop reading while their writes wait, neither
+   * would drain. The agent always reads. Unset: reading never waits on writes.
+   */
+  maxOutputBacklogBytes?: number;
 }
+
+/** The broker's backlog limit for a guest: far above what flow-controlled streams and 1 MiB frames leave queued. */
+export const OUTPUT_BACKLOG_BYTES = 16 * 1024 * 1024;
 
 export interface RequestOptions {
   /** Streams (allocated with openInbound/openOutbound) the request uses. */
@@ -203,6 +214,11 @@ export class Connection extends EventEmitter {
   private readonly loopShare: LoopShare | undefined;
   /** Set while reading is stopped because the peer ran out of loop time. */
   private resumeTimer: NodeJS.Timeout | undefined;
+  /** Set while reading is stopped because the peer is not reading what we sent. */
+  private backlogged = false;
+  private readonly maxBacklog: number | undefined;
+  /** Times reading stopped for an output backlog. */
+  backlogPauses = 0;
 
   constructor(socket: Duplex, opts: ConnectionOptions) {
     super();
@@ -218,6 +234,7 @@ export class Connection extends EventEmitter {
     this.caps = opts.caps ?? {};
     this.decoder = new FrameDecoder(this.maxFrame, opts.frameShape);
     this.loopShare = opts.loopShare ? new LoopShare(opts.loopShare) : undefined;
+    this.maxBacklog = opts.maxOutputBacklogBytes;
     this.nextStreamId = this.role === 'broker' ? 1 : 2;
     this.ready = new Promise((res, rej) => {
       this.resolveReady = res;
@@ -235,7 +252,13 @@ export class Connection extends EventEmitter {
     };
 
     socket.on('data', (chunk: Buffer) => this.onData(chunk));
-    socket.on('drain', () => this.flushDrainWaiters());
+    socket.on('drain', () => {
+      if (this.backlogged) {
+        this.backlogged = false;
+        this.updateReading();
+      }
+      this.flushDrainWaiters();
+    });
     socket.on('error', (err) => this.shutdown(new HutchError('connection_closed', `connection error: ${err.message}`, { cause: err.message })));
     socket.on('close', () => this.shutdown(new HutchError('connection_closed', 'connection closed by peer')));
     socket.on('end', () => this.shutdown(new HutchError('connection_closed', 'connection closed by peer')));
@@ -612,16 +635,27 @@ export class Connection extends EventEmitter {
   }
 
   private onData(chunk: Buffer): void {
-    if (!this.loopShare) {
-      this.readChunk(chunk);
-      return;
-    }
-    const started = performance.now();
+    const started = this.loopShare ? performance.now() : 0;
     try {
       this.readChunk(chunk);
     } finally {
-      this.chargeLoop(performance.now() - started);
+      if (this.loopShare) this.chargeLoop(performance.now() - started);
+      // What we answered is still queued for a peer that does not read it: take nothing
+      // more from it until the queue drains ('drain' resumes).
+      if (this.maxBacklog !== undefined && !this.backlogged && this.socket.writableLength > this.maxBacklog) {
+        this.backlogged = true;
+        this.backlogPauses++;
+        if (this.backlogPauses === 1 || this.backlogPauses % 100 === 0) this.log.warn('protocol.peer_not_reading', { queuedBytes: this.socket.writableLength, pauses: this.backlogPauses });
+        this.updateReading();
+      }
     }
+  }
+
+  /** Reading goes on only while the peer is within its loop share and reads what we send. */
+  private updateReading(): void {
+    if (this.isClosed) return;
+    if (this.resumeTimer || this.backlogged) this.socket.pause();
+    else this.socket.resume();
   }
 
   /**
@@ -635,15 +669,15 @@ export class Connection extends EventEmitter {
 
   private pauseReading(ms: number): void {
     if (this.isClosed || this.resumeTimer) return;
-    this.socket.pause();
     const { paused, pausedMs } = this.pacing;
     // The first time, then now and then: a hostile peer would otherwise fill the log instead.
     if (paused === 1 || paused % 100 === 0) this.log.warn('protocol.peer_paced', { waitMs: Math.round(ms), paused, pausedMs: Math.round(pausedMs) });
     this.resumeTimer = setTimeout(() => {
       this.resumeTimer = undefined;
-      if (!this.isClosed) this.socket.resume();
+      this.updateReading();
     }, Math.ceil(ms));
     this.resumeTimer.unref();
+    this.updateReading();
   }
 
   private readChunk(chunk: Buffer): void {
