@@ -6,7 +6,7 @@ import type { Hello } from '../../guest-agent/src/protocol/messages.ts';
 import type { ExecResult, MethodName, ParamsOf, ResultOf, SyncChange, SignalSchema } from '../../guest-agent/src/protocol/methods.ts';
 import { SYNC_RECORD_MAX_BYTES, SyncChangesBatchSchema, type SyncChangesBatch } from '../../guest-agent/src/protocol/methods.ts';
 import { FrameDecoder } from '../../guest-agent/src/protocol/frame-codec.ts';
-import { GUEST_LOOP_SHARE, type LoopShareOptions } from '../../guest-agent/src/protocol/loop-share.ts';
+import { GUEST_LOOP_SHARE } from '../../guest-agent/src/protocol/loop-share.ts';
 import { GUEST_FRAME_SHAPE_LIMITS, type ShapeLimits } from '../../guest-agent/src/protocol/value-shape.ts';
 import { nameToBytes } from '../../guest-agent/src/workspace/names.ts';
 import type { InboundStream } from '../../guest-agent/src/protocol/flow-control.ts';
@@ -31,13 +31,13 @@ export interface AgentClientOptions {
   heartbeatMs?: number;
   deadAfterMs?: number;
   /**
-   * How much of the broker's loop this guest's input may take (default GUEST_LOOP_SHARE),
-   * reading it stopped too while OUTPUT_BACKLOG_BYTES of answers wait for it; false: neither
-   * (benches' baselines).
+   * The broker's guards against a guest that is no longer ours (a tenant with root in it):
+   * each frame and sync record shape-checked before it is decoded (GUEST_FRAME_SHAPE_LIMITS),
+   * reading it held to its share of the loop (GUEST_LOOP_SHARE), and stopped while
+   * OUTPUT_BACKLOG_BYTES of answers wait for it to read them. Default on; false only for
+   * the previous behaviour in benches' baselines.
    */
-  loopShare?: LoopShareOptions | false;
-  /** What a frame or sync record from this guest may hold (default GUEST_FRAME_SHAPE_LIMITS); false: unchecked (benches' baselines). */
-  frameShape?: ShapeLimits | false;
+  guestGuards?: boolean;
 }
 
 export interface ExecRequest {
@@ -76,15 +76,13 @@ export class AgentClient {
   readonly connection: Connection;
 
   constructor(socket: Duplex, opts: AgentClientOptions = {}) {
-    this.frameShape = opts.frameShape === false ? undefined : (opts.frameShape ?? GUEST_FRAME_SHAPE_LIMITS);
+    const guarded = opts.guestGuards !== false;
+    this.frameShape = guarded ? GUEST_FRAME_SHAPE_LIMITS : undefined;
     this.connection = new Connection(socket, {
       role: 'broker',
       log: opts.log ?? noopLogger,
-      // What a guest sends is decoded on the loop every session shares; a guest is not ours
-      // once a tenant has root in it.
-      ...(opts.loopShare !== false ? { loopShare: opts.loopShare ?? GUEST_LOOP_SHARE } : {}),
-      ...(this.frameShape ? { frameShape: this.frameShape } : {}),
-      ...(opts.loopShare !== false ? { maxOutputBacklogBytes: OUTPUT_BACKLOG_BYTES } : {}),
+      // What a guest sends is decoded on the loop every session shares.
+      ...(guarded ? { frameShape: GUEST_FRAME_SHAPE_LIMITS, loopShare: GUEST_LOOP_SHARE, maxOutputBacklogBytes: OUTPUT_BACKLOG_BYTES } : {}),
       ...(opts.maxFrameBytes !== undefined ? { maxFrameBytes: opts.maxFrameBytes } : {}),
       ...(opts.windowBytes !== undefined ? { windowBytes: opts.windowBytes } : {}),
       ...(opts.handshakeTimeoutMs !== undefined ? { handshakeTimeoutMs: opts.handshakeTimeoutMs } : {}),
@@ -101,6 +99,7 @@ export class AgentClient {
     this.policy = opts.deadlines;
   }
 
+  /** The shape check of the guest's frames, for its sync records too (undefined: unguarded). */
   private readonly frameShape: ShapeLimits | undefined;
 
   private readonly policy: DeadlinePolicy | undefined;

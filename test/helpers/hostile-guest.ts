@@ -64,7 +64,7 @@ export interface GuestPair {
 
 /**
  * An agent (answering `ping`) and the broker's client of it; `guarded: false` is the
- * previous code (no loop share, no shape check of the guest's frames).
+ * previous code (AgentClient's guestGuards off).
  */
 export async function guestPair(opts: { guarded: boolean; log?: Logger }): Promise<GuestPair> {
   const dir = mkdtempSync(join(tmpdir(), 'hutch-flood-'));
@@ -75,7 +75,7 @@ export async function guestPair(opts: { guarded: boolean; log?: Logger }): Promi
     new Connection(s, { role: 'agent', handlers: { ping: async () => ({ now: Date.now(), uptimeMs: 1 }) } });
   });
   await new Promise<void>((r) => server.listen(path, r));
-  const client = await AgentClient.connectUnix(path, { ...(opts.guarded ? {} : { loopShare: false as const, frameShape: false as const }), ...(opts.log ? { log: opts.log } : {}) });
+  const client = await AgentClient.connectUnix(path, { guestGuards: opts.guarded, ...(opts.log ? { log: opts.log } : {}) });
   await client.connection.ready;
   return {
     client,

@@ -85,7 +85,8 @@ export async function openStateReceiver(stateFile: string, uid: number | undefin
       pipeline(c, cap, out)
         .then(() => resolve(out.bytesWritten))
         .catch((err: Error) => {
-          if (err instanceof HutchError) {
+          if (err instanceof HutchError && err.code === 'too_large') {
+            // Past the VM's size: what was written is no snapshot, and it holds disk.
             rmSync(stateFile, { force: true });
             reject(err);
           } else reject(new HutchError('internal', `writing the snapshot state of VM ${vm} to ${stateFile}: ${err.message}`, { vm }));
