@@ -77,6 +77,10 @@ export class MemoryPolicy implements ExecObserver {
     this.warnings = [];
     this.stopDamon();
     this.lastReclaim = null;
+    // Before the reclaim, not after: the kernel starts a reporting pass only when a page is
+    // freed at or above the order in force at that moment. Lowered after the frees, nothing
+    // would report the pages the reclaim just freed until some later, unrelated free.
+    if (this.steps.reporting) this.step('reporting', () => void setReportingOrder(IDLE_REPORTING_ORDER));
     if (this.steps.reclaim) {
       try {
         this.lastReclaim = await this.mem.reclaim({ target: 'all', hotSetLast: this.steps.hotSetLast && this.steps.activationSet, dropCaches: this.steps.dropCaches });
@@ -86,7 +90,6 @@ export class MemoryPolicy implements ExecObserver {
     } else if (this.steps.dropCaches) {
       this.step('dropCaches', () => writeKnob('/proc/sys/vm/drop_caches', '1'));
     }
-    if (this.steps.reporting) this.step('reporting', () => void setReportingOrder(IDLE_REPORTING_ORDER));
     return this.outcome();
   }
 
