@@ -8,6 +8,8 @@ import { QemuBackend } from '../host-broker/src/backends/qemu-backend.ts';
 import { cacheDir } from '../host-broker/src/backends/registry.ts';
 import { connectAgent } from '../host-broker/src/vm/agent-channel.ts';
 import { QEMU_TAG } from '../host-broker/src/vm/qemu-driver.ts';
+import { qemuMemory } from '../host-broker/src/vm/smaps.ts';
+import { procStat } from '../host-broker/src/util/process-gone.ts';
 import type { Vm } from '../host-broker/src/vm/vmm.ts';
 import { isVmUid, JAILED, qemuJailView } from './helpers/qemu-jailed.ts';
 
@@ -149,6 +151,59 @@ describe('guest image and microVMs (real QEMU)', { tags: ['vm'] }, () => {
       await vm.destroy();
     }
     expect(sha256(pristine.memory)).toBe(before);
+  }, 600_000);
+
+  it('destroy resolves once QEMU itself has exited, not only its bwrap wrapper', async () => {
+    // The wrapper dies of the stop signal at once; the kernel kills the QEMU in its pid
+    // namespace after. Returning at the wrapper's exit left QEMU running or a zombie in 9 of
+    // 10 stops, with its user id already back in the pool for the next VM.
+    const pristine = await backend.snapshots.pristine(backend.image, SIZE);
+    for (let i = 0; i < 3; i++) {
+      const vm = await backend.driver.restore({ id: `gone${i}`, dir: join(dataDir, 'vms', `gone${i}`), image: backend.image, ...SIZE }, pristine);
+      const agent = await connectAgent(vm, { timeoutMs: 60_000, log, resume: true });
+      expect((await agent.run({ command: 'echo up' })).stdoutText).toBe('up\n');
+      agent.close();
+      const pid = vm.pid;
+      expect(readFileSync(`/proc/${pid}/comm`, 'utf8')).toMatch(/^qemu-system/);
+      await vm.destroy();
+      const st = procStat(pid);
+      expect(st === undefined || st.state === 'Z' || st.state === 'X').toBe(true);
+    }
+  }, 600_000);
+
+  it('an idle guest hands back the small pages its idle policy frees (the reporting order is lowered before they are freed)', async () => {
+    // A few small calls leave page cache scattered over guest RAM; dropping it frees single
+    // pages that never merge into large blocks. The kernel starts a reporting pass only for
+    // a page freed at or above the order in force then, so with the order lowered after the
+    // drop (the previous order of steps) those pages stayed the guest's, private on the host,
+    // until some unrelated later free (2 of 4 VMs in a probe: 18.5 MiB instead of 11).
+    const pristine = await backend.snapshots.pristine(backend.image, SIZE);
+    const vm = await backend.driver.restore({ id: 'idle-report', dir: join(dataDir, 'vms', 'idle-report'), image: backend.image, ...SIZE }, pristine);
+    try {
+      const agent = await connectAgent(vm, { timeoutMs: 60_000, log, resume: true });
+      for (let i = 0; i < 3; i++) {
+        const r = await agent.run({ command: 'ls -la / >/dev/null && python3 -c "print(sum(range(100000)))"' });
+        expect(r.stdoutText.trim()).toBe('4999950000');
+      }
+      await new Promise((r) => setTimeout(r, 3000));
+      const written = async () => (await qemuMemory(vm.pid, pristine.memory)).guestRam.anonKiB;
+      const before = await written();
+      const idle = await agent.call('mem.policy', { state: 'idle', steps: { reclaim: false, dropCaches: true } });
+      expect(idle.warnings).toEqual([]);
+      // Nothing is asked of the guest meanwhile (as the broker leaves an idle VM alone): any
+      // call would free pages of its own and start a pass the policy should have started.
+      // Reporting passes run 2 s apart: wait for the drop to show, for at most 40 s.
+      let now = before;
+      for (let i = 0; i < 40 && now > before - 1536; i++) {
+        await new Promise((r) => setTimeout(r, 1000));
+        now = await written();
+      }
+      expect(now).toBeLessThan(before - 1536);
+      expect((await agent.call('mem.status', {})).reporting.order).toBe(0);
+      agent.close();
+    } finally {
+      await vm.destroy();
+    }
   }, 600_000);
 
   it('a VM killed in the middle of a call gives that call a clear error', async () => {

@@ -5,6 +5,7 @@ import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { kernelCmdline, microvmMachine } from '../../../kernel-configs/boot-params.ts';
+import { processGone, procStat } from '../util/process-gone.ts';
 import { startDaemon, type Daemon } from '../util/daemon.ts';
 import { waitForSocket } from '../util/wait-for-socket.ts';
 import { QmpClient } from './qmp.ts';
@@ -164,19 +165,35 @@ export class QemuDriver implements VmmDriver {
       },
     });
     for (const fd of fds) closeFd(fd); // the child has its own copies
+    // Wrapped, the spawned process is bwrap; stats, kills and the wait for the end want QEMU
+    // itself, found by its command line once it is up.
+    let inner: { pid: number; startTicks: number } | undefined;
+    const findInner = () => {
+      const pid = wrapped ? qemuPids(spec.dir)[0] : undefined;
+      const st = pid === undefined ? undefined : procStat(pid);
+      if (pid !== undefined && st) inner ??= { pid, startTicks: st.startTicks };
+    };
+    // The wrapper's exit is not QEMU's (util/process-gone.ts): the VM has ended once QEMU has.
+    const gone = daemon.exited.then(async () => {
+      if (!inner) return true;
+      const ok = await processGone(inner.pid, inner.startTicks);
+      if (!ok) log.error('vm.qemu_lingers', { pid: inner.pid, hint: 'QEMU outlived its wrapper and SIGKILL; its user id stays out of the pool' });
+      return ok;
+    });
     // The id goes back to the pool only once this QEMU is gone.
-    void daemon.exited.then(releaseUid);
+    void gone.then((ok) => ok && releaseUid());
     let qmp: QmpClient | undefined;
     try {
       await waitForSocket(qmpPath, { proc: daemon.proc, timeoutMs: 15_000 });
+      findInner();
       qmp = await QmpClient.connect(qmpPath);
       if (stateIn !== undefined) await this.loadSnapshot(qmp, stateIn);
-      // Wrapped, the spawned process is bwrap; stats and kills want QEMU itself.
-      const pid = wrapped ? (qemuPids(spec.dir)[0] ?? daemon.pid) : daemon.pid;
-      return new QemuVm(spec, daemon, pid, wrapped, this.accel, channelPath, qmp, console, jail?.uid, backend);
+      return new QemuVm(spec, daemon, gone, inner?.pid ?? daemon.pid, wrapped, this.accel, channelPath, qmp, console, jail?.uid, backend);
     } catch (err) {
       qmp?.close();
+      findInner();
       await daemon.stop(200);
+      await gone;
       await backend?.stop(200);
       rmSync(spec.dir, { recursive: true, force: true });
       const tail = daemon.tail().slice(-5).join(' | ');
@@ -294,6 +311,8 @@ class QemuVm implements Vm {
   constructor(
     readonly spec: VmSpec,
     private readonly daemon: Daemon,
+    /** Settles once QEMU itself has exited, after its wrapper (true), or would not die (false). */
+    private readonly gone: Promise<boolean>,
     /** QEMU's own pid (the daemon may be a wrapper around it). */
     private readonly qemuPid: number,
     /** Whether the daemon is bwrap around QEMU, which reports QEMU's death by a signal as 128 + its number. */
@@ -307,8 +326,11 @@ class QemuVm implements Vm {
     /** vhost-device-vsock of a vsock VM: it would outlive QEMU, so it goes when QEMU goes. */
     private readonly backend?: Daemon,
   ) {
-    this.exited = daemon.exited.then(({ code, signal }) => ({ ...(wrapped ? unwrapExit(code, signal) : { code, signal }), console: [...console] }));
-    if (backend) void daemon.exited.then(() => backend.stop(300));
+    this.exited = daemon.exited.then(async ({ code, signal }) => {
+      await gone;
+      return { ...(wrapped ? unwrapExit(code, signal) : { code, signal }), console: [...console] };
+    });
+    if (backend) void gone.then(() => backend.stop(300));
   }
 
   get pid(): number {
@@ -390,6 +412,7 @@ class QemuVm implements Vm {
     this.destroyed = true;
     this.qmp.close();
     await this.daemon.stop(300);
+    await this.gone;
     await this.backend?.stop(300);
     rmSync(this.spec.dir, { recursive: true, force: true });
   }
