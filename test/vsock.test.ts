@@ -23,6 +23,7 @@ import { HutchError } from '../guest-agent/src/protocol/errors.ts';
 import { createLogger } from '../guest-agent/src/log.ts';
 import { hostTscKhz } from '../kernel-configs/boot-params.ts';
 import type { AgentClient } from '../host-broker/src/agent-client.ts';
+import { KVM_DEADLINES, TCG_DEADLINES } from '../host-broker/src/deadlines.ts';
 import { chooseAccel } from '../host-broker/src/vm/accel.ts';
 import { ensureGuestImage, type ResolvedGuestImage } from '../host-broker/src/vm/guest-image.ts';
 import { QemuDriver } from '../host-broker/src/vm/qemu-driver.ts';
@@ -144,6 +145,39 @@ function processesMentioning(needle: string): Array<{ pid: number; cmd: string }
   return found;
 }
 
+/**
+ * What QEMU and vhost-device-vsock were doing when a call over vsock failed: each thread's
+ * state, kernel wait channel and current syscall, QEMU's console tail and whether its
+ * monitor still answers. The data path has stalled for good here before (README, the agent
+ * and its protocol); this is what tells a lost notification from a blocked QEMU next time.
+ */
+async function stallReport(vm: Vm, dir: string): Promise<string> {
+  const lines: string[] = [];
+  for (const p of processesMentioning(dir)) {
+    const name = p.cmd.includes('vhost-device-vsock') ? 'vhost-device-vsock' : p.pid === vm.pid ? 'qemu' : p.cmd.split(' ')[0];
+    let tids: string[] = [];
+    try {
+      tids = readdirSync(`/proc/${p.pid}/task`);
+    } catch {
+      continue;
+    }
+    for (const t of tids) {
+      const read = (f: string) => {
+        try {
+          return readFileSync(`/proc/${p.pid}/task/${t}/${f}`, 'utf8').trim();
+        } catch {
+          return '?';
+        }
+      };
+      const stat = read('stat');
+      lines.push(`${name} ${p.pid}/${t} ${read('comm')} state=${stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3)} wchan=${read('wchan')} syscall=${read('syscall').split(' ')[0]}`);
+    }
+  }
+  const qmp = await vm.qmp.execute<{ status: string }>('query-status', undefined, 5_000).then((s) => s.status, (e: unknown) => `no answer (${(e as Error).message})`);
+  lines.push(`QMP query-status: ${qmp}`, `console: ${vm.consoleTail(8).join(' | ')}`);
+  return lines.join('\n');
+}
+
 async function waitForNoProcesses(needle: string, ms = 5_000): Promise<Array<{ pid: number; cmd: string }>> {
   const deadline = Date.now() + ms;
   for (;;) {
@@ -176,7 +210,8 @@ describe.skipIf(pre.missing !== undefined)('guest agent over hybrid vsock (QEMU 
       const t0 = Date.now();
       try {
         vm = await driver.boot(spec);
-        client = await connectVsockAgent(vm, { timeoutMs: 240_000, log });
+        // The broker's deadlines and heartbeat: a stalled data path fails a call, not the test's clock.
+        client = await connectVsockAgent(vm, { timeoutMs: 240_000, log, deadlines: accel.accel === 'kvm' ? KVM_DEADLINES : TCG_DEADLINES });
         console.log(`[vsock] cold boot to the agent's hello over vsock: ${Date.now() - t0} ms (${accel.accel})`);
         break;
       } catch (err) {
@@ -251,10 +286,14 @@ describe.skipIf(pre.missing !== undefined)('guest agent over hybrid vsock (QEMU 
     async function* chunks() {
       for (let i = 0; i < data.length; i += 256 * 1024) yield data.subarray(i, i + 256 * 1024);
     }
-    const bytes = await client!.echo(chunks(), (c) => {
-      back.update(c);
-      n += c.length;
-    });
+    const bytes = await client!
+      .echo(chunks(), (c) => {
+        back.update(c);
+        n += c.length;
+      })
+      .catch(async (err: unknown) => {
+        throw new Error(`echo over vsock failed after ${n} of ${data.length} bytes: ${(err as Error).message}\n${await stallReport(vm!, spec.dir)}`);
+      });
     expect(bytes).toBe(data.length);
     expect(n).toBe(data.length);
     expect(back.digest('hex')).toBe(createHash('sha256').update(data).digest('hex'));
@@ -272,7 +311,7 @@ describe.skipIf(pre.missing !== undefined)('guest agent over hybrid vsock (QEMU 
     const status = await vm!.qmp.execute<{ status: string }>('query-status');
     expect(status.status).toBe('running');
     expect((await client!.call('ping', {})).uptimeMs).toBeGreaterThan(0);
-  });
+  }, 90_000);
 
   it('refuses to restore or memory-file-back a vsock VM, before starting anything', async () => {
     const other: VmSpec = { ...spec, id: 'vsock-restore', dir: join(runDir, 'restore') };

@@ -8,6 +8,7 @@ import { capture } from '../../../build/run.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { AgentClient } from '../agent-client.ts';
+import type { DeadlinePolicy } from '../deadlines.ts';
 import { startDaemon, type Daemon } from '../util/daemon.ts';
 import type { Vm } from './vmm.ts';
 
@@ -358,7 +359,7 @@ function abortError(signal: AbortSignal, udsPath: string, port: number): HutchEr
  * handshake (the vsock counterpart of connectAgent in agent-channel.ts). The VM dying
  * first fails the wait with guest_crashed.
  */
-export async function connectVsockAgent(vm: Vm, opts: { timeoutMs: number; log: Logger }): Promise<AgentClient> {
+export async function connectVsockAgent(vm: Vm, opts: { timeoutMs: number; log: Logger; deadlines?: DeadlinePolicy; deadAfterMs?: number }): Promise<AgentClient> {
   const ch = vm.spec.channel;
   if (ch?.kind !== 'vsock') throw new HutchError('bad_request', `VM ${vm.spec.id} has no vsock channel (it uses ${ch?.kind ?? 'virtio-serial'}); use connectAgent`, { vm: vm.spec.id });
   const died = vm.exited.then((e) => {
@@ -371,7 +372,14 @@ export async function connectVsockAgent(vm: Vm, opts: { timeoutMs: number; log: 
   let client: AgentClient | undefined;
   try {
     const sock = await connectHybridVsock(vm.channelPath, ch.port, opts.timeoutMs, { signal: stop.signal });
-    client = new AgentClient(sock, { log: opts.log.child({ vm: vm.spec.id, channel: 'vsock' }), handshakeTimeoutMs: Math.max(1_000, opts.timeoutMs - (Date.now() - t0)) });
+    client = new AgentClient(sock, {
+      log: opts.log.child({ vm: vm.spec.id, channel: 'vsock' }),
+      handshakeTimeoutMs: Math.max(1_000, opts.timeoutMs - (Date.now() - t0)),
+      // The same deadlines and heartbeat as the virtio-serial channel: a vsock data path
+      // that stalls (vhost-device-vsock, README) fails its calls instead of holding them.
+      ...(opts.deadlines ? { deadlines: opts.deadlines } : {}),
+      ...(opts.deadAfterMs !== undefined ? { deadAfterMs: opts.deadAfterMs } : {}),
+    });
     await Promise.race([client.ready(), died]);
     return client;
   } catch (err) {
