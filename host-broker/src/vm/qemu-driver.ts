@@ -306,7 +306,7 @@ export function qemuPids(within: string): number[] {
 
 class QemuVm implements Vm {
   readonly exited: Promise<{ code: number | null; signal: string | null; console: string[] }>;
-  private destroyed = false;
+  private destroying: Promise<void> | undefined;
 
   constructor(
     readonly spec: VmSpec,
@@ -407,14 +407,16 @@ class QemuVm implements Vm {
     return refused;
   }
 
-  async destroy(): Promise<void> {
-    if (this.destroyed) return;
-    this.destroyed = true;
-    this.qmp.close();
-    await this.daemon.stop(300);
-    await this.gone;
-    await this.backend?.stop(300);
-    rmSync(this.spec.dir, { recursive: true, force: true });
+  /** Every caller waits for the same teardown: a second destroy (a broker's shutdown during a release) returns only once QEMU is gone. */
+  destroy(): Promise<void> {
+    this.destroying ??= (async () => {
+      this.qmp.close();
+      await this.daemon.stop(300);
+      await this.gone;
+      await this.backend?.stop(300);
+      rmSync(this.spec.dir, { recursive: true, force: true });
+    })();
+    return this.destroying;
   }
 }
 
