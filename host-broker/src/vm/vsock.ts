@@ -8,7 +8,7 @@ import { capture } from '../../../build/run.ts';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
 import { AgentClient } from '../agent-client.ts';
-import type { DeadlinePolicy } from '../deadlines.ts';
+import type { ConnectAgentOptions } from './agent-channel.ts';
 import { startDaemon, type Daemon } from '../util/daemon.ts';
 import type { Vm } from './vmm.ts';
 
@@ -359,7 +359,7 @@ function abortError(signal: AbortSignal, udsPath: string, port: number): HutchEr
  * handshake (the vsock counterpart of connectAgent in agent-channel.ts). The VM dying
  * first fails the wait with guest_crashed.
  */
-export async function connectVsockAgent(vm: Vm, opts: { timeoutMs: number; log: Logger; deadlines?: DeadlinePolicy; deadAfterMs?: number }): Promise<AgentClient> {
+export async function connectVsockAgent(vm: Vm, opts: Pick<ConnectAgentOptions, 'timeoutMs' | 'log' | 'deadlines' | 'deadAfterMs'>): Promise<AgentClient> {
   const ch = vm.spec.channel;
   if (ch?.kind !== 'vsock') throw new HutchError('bad_request', `VM ${vm.spec.id} has no vsock channel (it uses ${ch?.kind ?? 'virtio-serial'}); use connectAgent`, { vm: vm.spec.id });
   const died = vm.exited.then((e) => {
