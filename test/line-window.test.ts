@@ -12,7 +12,7 @@ import { Workspace } from '../guest-agent/src/workspace/confine.ts';
  * per read (every tenant waiting) and took 450 MB. The lines must be exactly what splitting
  * the text gave: this is that, as the reference.
  */
-function reference(text: string, from: number, count: number): { total: number; lines: string[]; cut: number } {
+function reference(text: string, from: number, count: number): { total: number; lines: string[]; cut: number; full: boolean } {
   const all = text === '' ? [] : text.split('\n');
   if (all.length > 0 && all[all.length - 1] === '') all.pop();
   let cut = 0;
@@ -21,7 +21,7 @@ function reference(text: string, from: number, count: number): { total: number; 
     cut++;
     return `${l.slice(0, MAX_LINE_CHARS)}...`;
   });
-  return { total: all.length, lines, cut };
+  return { total: all.length, lines, cut, full: false };
 }
 
 const noTick = async () => undefined;

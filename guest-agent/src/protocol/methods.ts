@@ -69,8 +69,8 @@ export const ReadParamsSchema = z.object({
   path: WsPath,
   /** 0-based index of the first line. */
   offset: z.number().int().nonnegative().optional(),
-  /** Number of lines; default 2000. */
-  limit: limit(1_000_000).optional(),
+  /** Number of lines; default 2000. Any number: the answer stops at 50 KiB of text anyway (answer-bounds.ts). */
+  limit: limit(Number.MAX_SAFE_INTEGER).optional(),
   /** Prefix lines with their 1-based number as opencode does (`00012| text`); default true. */
   numbered: z.boolean().optional(),
 });
@@ -82,7 +82,12 @@ export const ReadResultSchema = z.object({
   totalLines: z.number().int(),
   /** Lines longer than the per-line cap were cut. */
   longLinesCut: z.number().int(),
+  /** Lines after these remain (the caller's limit, or the byte cap, stopped the answer). */
   hasMore: z.boolean(),
+  /** The answer's byte cap (ANSWER_MAX_BYTES) stopped it before `limit` lines. */
+  truncated: z.boolean(),
+  /** With hasMore: the offset that goes on from here. */
+  nextOffset: z.number().int().optional(),
 });
 
 export const WriteParamsSchema = z.object({
@@ -118,11 +123,15 @@ export const ListParamsSchema = z.object({
   path: OptionalWsPath,
   ignore: z.array(z.string().max(4096)).max(256).optional(),
   limit: limit(100_000).optional(),
+  /** Entries of the walk to pass over first (a truncated answer's nextOffset). */
+  offset: z.number().int().nonnegative().optional(),
 });
 export const ListResultSchema = z.object({
   path: z.string(),
   entries: z.array(z.object({ path: z.string(), type: EntryTypeSchema })),
   truncated: z.boolean(),
+  /** When the answer's limit or byte cap stopped it: the offset that goes on from here. */
+  nextOffset: z.number().int().optional(),
 });
 
 export const StatParamsSchema = z.object({ path: WsPath });

@@ -14,12 +14,13 @@ import type {
   StatParamsSchema,
   WriteParamsSchema,
 } from '../protocol/methods.ts';
+import { ANSWER_MAX_BYTES, AnswerCap, BoundedAnswer, READ_DEFAULT_LINES, textBytes } from './answer-bounds.ts';
 import { writeFileAtomic } from './atomic-write.ts';
 import type { ResolveOptions, Resolution, Workspace } from './confine.ts';
 import { lstatAt, readFileAt, readlinkAt, type OpenedFile, removeTreeAt, renameAt, rmdirAt, unlinkAt } from './fd-path.ts';
 import { compileGlob } from './glob-match.ts';
 import { nameFromBytes } from './names.ts';
-import { RegexSearch, type FileMatches } from './regex-search.ts';
+import { RegexSearch, type Match } from './regex-search.ts';
 import { firstOccurrence, lineWindow, looksBinary, MAX_LINE_CHARS, splitOccurrences } from './text.ts';
 import { walk, type WalkType } from './walk.ts';
 import { LoopSlicer, WorkBudget } from './work-budget.ts';
@@ -64,7 +65,6 @@ export interface PlannedGrowth {
 
 type In<S extends z.ZodType> = z.output<S>;
 
-const DEFAULT_READ_LIMIT = 2000;
 const DEFAULT_FILE_MODE = 0o644;
 const DEFAULT_DIR_MODE = 0o755;
 const DEFAULT_SEARCH_TIMEOUT_MS = 30_000;
@@ -105,26 +105,31 @@ export class FileTools {
     const { buf } = await this.readRegular(r, p.path);
     if (looksBinary(buf)) throw new HutchError('binary_file', `${p.path} is a binary file`, { path: p.path, bytes: buf.length });
     const offset = p.offset ?? 0;
-    const limit = p.limit ?? DEFAULT_READ_LIMIT;
+    const limit = p.limit ?? READ_DEFAULT_LINES;
+    const numbered = p.numbered ?? true;
     const slicer = new LoopSlicer();
-    const { total, lines, cut } = await lineWindow(buf, offset, limit, () => slicer.tick());
-    if (offset > 0 && offset >= total) {
-      throw new HutchError('bad_request', `offset ${offset} is beyond the end of ${p.path} (${total} lines)`, {
+    const w = await lineWindow(buf, offset, limit, () => slicer.tick(), {
+      maxBytes: ANSWER_MAX_BYTES,
+      ...(numbered ? { prefix: (i: number) => `${String(i + 1).padStart(5, '0')}| ` } : {}),
+    });
+    if (offset > 0 && offset >= w.total) {
+      throw new HutchError('bad_request', `offset ${offset} is beyond the end of ${p.path} (${w.total} lines)`, {
         path: p.path,
         offset,
-        totalLines: total,
+        totalLines: w.total,
       });
     }
-    const numbered = p.numbered ?? true;
-    const out = numbered ? lines.map((l, i) => `${String(offset + i + 1).padStart(5, '0')}| ${l}`) : lines;
+    const hasMore = offset + w.lines.length < w.total;
     return {
       path: this.ws.display(r.rel),
-      content: out.join('\n'),
+      content: w.lines.join('\n'),
       offset,
-      lines: lines.length,
-      totalLines: total,
-      longLinesCut: cut,
-      hasMore: offset + lines.length < total,
+      lines: w.lines.length,
+      totalLines: w.total,
+      longLinesCut: w.cut,
+      hasMore,
+      truncated: w.full,
+      ...(hasMore ? { nextOffset: offset + w.lines.length } : {}),
     };
   }
 
@@ -192,27 +197,50 @@ export class FileTools {
     const budget = this.budget('glob');
     return this.at(p.path ?? '.', {}, async (base) => {
       const limit = p.limit ?? 100;
-      const found: Array<{ rel: string; mtime: number }> = [];
+      // Newest first, as opencode: the file the agent just touched is what it looks for.
+      const found = new BoundedAnswer<{ rel: string; mtime: number }>((a, b) => b.mtime - a.mtime || (a.rel < b.rel ? -1 : a.rel > b.rel ? 1 : 0), limit, ANSWER_MAX_BYTES);
       for await (const e of walk(this.dirFd(base, p.path), { skipDirs: SEARCH_SKIPPED_DIRS, tick: () => budget.tick() })) {
         if (e.type === 'dir' || !match(e.rel)) continue;
         const st = lstatAt(e.dirFd, e.name);
-        if (st) found.push({ rel: e.rel, mtime: st.mtimeMs });
+        if (!st) continue;
+        const rel = childRel(base, e.rel);
+        found.offer({ rel, mtime: st.mtimeMs }, 1, textBytes(rel));
       }
-      // Newest first, as opencode: the file the agent just touched is what it looks for.
-      found.sort((a, b) => b.mtime - a.mtime || (a.rel < b.rel ? -1 : 1));
-      return { files: found.slice(0, limit).map((f) => childRel(base, f.rel)), truncated: found.length > limit };
+      const answer = new AnswerCap(limit, ANSWER_MAX_BYTES);
+      const files: string[] = [];
+      for (const f of found.sorted()) {
+        if (!answer.take(textBytes(f.rel))) break;
+        files.push(f.rel);
+      }
+      return { files, truncated: found.offered > files.length };
     });
   }
 
   async grep(p: In<typeof GrepParamsSchema>): Promise<ResultOf<'fs.grep'>> {
     const limit = p.limit ?? 100;
     const budget = this.budget('grep');
-    const search = new RegexSearch(p.pattern, p.ignoreCase ? 'i' : '', { perFileLimit: limit, maxLineChars: MAX_LINE_CHARS }, budget);
+    // Files whose search has not answered yet, in the order their contents went to it (a
+    // batch holds thousands: taken by index, not shifted).
+    let pending: SearchedFile[] = [];
+    let answered = 0;
+    // Newest file first, its matches in line order; only what can still be in the answer is held.
+    const found = new BoundedAnswer<SearchedFile & { matches: Match[] }>((a, b) => b.mtime - a.mtime || a.seq - b.seq, limit, ANSWER_MAX_BYTES);
+    let seq = 0;
+    let total = 0;
+    const search = new RegexSearch(p.pattern, p.ignoreCase ? 'i' : '', { maxMatches: limit, maxLineChars: MAX_LINE_CHARS, maxBytes: ANSWER_MAX_BYTES }, budget, (r) => {
+      const f = pending[answered++] as SearchedFile;
+      if (answered === pending.length) {
+        pending = [];
+        answered = 0;
+      }
+      total += r.count;
+      if (r.matches.length === 0) return;
+      const bytes = r.matches.reduce((n, m) => n + matchBytes(f.rel, m), 0);
+      found.offer({ ...f, matches: r.matches }, r.matches.length, bytes);
+    });
     const include = p.include ? compileGlob(p.include) : undefined;
     try {
       return await this.at(p.path ?? '.', {}, async (start) => {
-        // Searched files in the order their contents went to the search.
-        const files: Array<{ rel: string; mtime: number }> = [];
         let candidates = 0;
         const consider = async (dirFd: number, name: Buffer, rel: string) => {
           candidates++;
@@ -230,8 +258,8 @@ export class FileTools {
             release?.();
             return;
           }
-          files.push({ rel, mtime: f.mtime });
-          await search.add(f.buf, release);
+          pending.push({ rel, mtime: f.mtime, seq: seq++ });
+          await search.add(f.buf, f.mtime, release);
         };
         if (start.stat?.isFile()) await consider(start.dirFd, start.name, start.rel);
         else if (start.stat?.isDirectory()) {
@@ -241,12 +269,16 @@ export class FileTools {
           }
         } else throw new HutchError('bad_request', `${p.path} is neither a file nor a directory`, { path: p.path });
 
-        const results = await search.finish();
-        const perFile = files.map((f, i) => ({ ...f, found: results[i] as FileMatches }));
-        const total = perFile.reduce((t, f) => t + f.found.count, 0);
-        perFile.sort((a, b) => b.mtime - a.mtime);
-        const all = perFile.flatMap((f) => f.found.matches.map((m) => ({ path: f.rel, line: m.line, text: m.text })));
-        return { matches: all.slice(0, limit), truncated: total > limit, filesSearched: candidates };
+        await search.finish();
+        const answer = new AnswerCap(limit, ANSWER_MAX_BYTES);
+        const matches: Array<{ path: string; line: number; text: string }> = [];
+        taking: for (const f of found.sorted()) {
+          for (const m of f.matches) {
+            if (!answer.take(matchBytes(f.rel, m))) break taking;
+            matches.push({ path: f.rel, line: m.line, text: m.text });
+          }
+        }
+        return { matches, truncated: total > matches.length, filesSearched: candidates };
       });
     } finally {
       search.close();
@@ -257,18 +289,23 @@ export class FileTools {
     const ignore = p.ignore?.length ? p.ignore.map((g) => compileGlob(g)) : [];
     const budget = this.budget('list');
     return this.at(p.path ?? '.', {}, async (base) => {
-      const limit = p.limit ?? 100;
+      const offset = p.offset ?? 0;
+      const answer = new AnswerCap(p.limit ?? 100, ANSWER_MAX_BYTES);
       const entries: Array<{ path: string; type: WalkType }> = [];
-      let truncated = false;
+      let seen = 0;
       const skip = (rel: string) => ignore.some((m) => m(rel));
       for await (const e of walk(this.dirFd(base, p.path), { skipDirs: DEFAULT_IGNORED_DIRS, skip, tick: () => budget.tick() })) {
-        if (entries.length >= limit) {
-          truncated = true;
-          break;
-        }
+        if (seen++ < offset) continue;
+        if (!answer.take(textBytes(e.rel))) break;
         entries.push({ path: e.rel, type: e.type });
       }
-      return { path: this.ws.display(base.rel), entries, truncated };
+      return {
+        path: this.ws.display(base.rel),
+        entries,
+        truncated: answer.full,
+        // The walk's order is the same each time (names sorted): the next call goes on from here.
+        ...(answer.full ? { nextOffset: offset + entries.length } : {}),
+      };
     });
   }
 
@@ -384,6 +421,18 @@ export class FileTools {
 }
 
 const SKIP = new Error('skip');
+
+interface SearchedFile {
+  rel: string;
+  mtime: number;
+  /** Its place in the search's order: files of the same time keep it. */
+  seq: number;
+}
+
+/** What a match adds to grep's answer, printed as `path:line: text`. */
+function matchBytes(path: string, m: Match): number {
+  return textBytes(path) + textBytes(m.text) + 8;
+}
 
 /** A walked entry's path as the tenant names it (relative to the workspace, not the walk's start). */
 function childRel(base: Resolution, rel: string): string {

@@ -25,15 +25,24 @@ import type { WorkBudget } from './work-budget.ts';
  */
 
 export interface SearchLimits {
-  /** Matches kept per file (the count goes on). */
-  perFileLimit: number;
+  /** Matches the answer holds: each batch keeps at most this many (the count goes on). */
+  maxMatches: number;
   /** Longer lines are cut to this many characters, then `...`. */
   maxLineChars: number;
+  /** Bytes of matched lines the answer holds: each batch keeps lines while it has held fewer. */
+  maxBytes: number;
+}
+
+export interface Match {
+  line: number;
+  text: string;
 }
 
 export interface FileMatches {
+  /** Matching lines in the file. */
   count: number;
-  matches: Array<{ line: number; text: string }>;
+  /** Those kept: only what can be in the answer (see the worker). */
+  matches: Match[];
 }
 
 /** Bytes of file content sent to the worker per message. */
@@ -52,8 +61,17 @@ parentPort.on('message', (m) => {
   try {
     const k = m.flags + '/' + m.pattern;
     if (k !== key) { re = new RegExp(m.pattern, m.flags); key = k; }
-    const out = [];
-    for (const f of m.files) {
+    // The answer takes files newest first (ties in the order sent), each one's matches in
+    // line order, up to maxMatches and maxBytes. A match that does not fit within its own
+    // batch in that order cannot fit in the whole answer either, so only the batch's first
+    // matches are kept and sent back: a batch of 4,096 files of 100 matches each sent
+    // 409,600 of them for an answer of 100. Every match is still counted.
+    const order = m.files.map((_, i) => i).sort((a, b) => m.mtimes[b] - m.mtimes[a] || a - b);
+    const out = new Array(m.files.length);
+    let kept = 0;
+    let keptBytes = 0;
+    for (const i of order) {
+      const f = m.files[i];
       const text = Buffer.from(f.buffer, f.byteOffset, f.byteLength).toString('utf8');
       const matches = [];
       let count = 0;
@@ -66,11 +84,16 @@ parentPort.on('message', (m) => {
         lineNo++;
         if (re.test(line)) {
           count++;
-          if (matches.length < m.perFileLimit) matches.push({ line: lineNo, text: line.length > m.maxLineChars ? line.slice(0, m.maxLineChars) + '...' : line });
+          if (kept < m.maxMatches && keptBytes < m.maxBytes) {
+            const cut = line.length > m.maxLineChars ? line.slice(0, m.maxLineChars) + '...' : line;
+            matches.push({ line: lineNo, text: cut });
+            kept++;
+            keptBytes += Buffer.byteLength(cut);
+          }
         }
         start = end + 1;
       }
-      out.push({ count, matches });
+      out[i] = { count, matches };
     }
     parentPort.postMessage({ ok: out });
   } catch (err) {
@@ -149,10 +172,10 @@ function sharedPool(): WorkerPool {
 export class RegexSearch {
   private worker: PooledWorker | undefined;
   private batch: Uint8Array[] = [];
+  private batchMtimes: number[] = [];
   private batchBytes = 0;
   /** Releases of the room the batch's files hold (FileToolsOptions.holdBytes): given back once the worker has them searched. */
   private batchHolds: Array<() => void> = [];
-  private readonly results: FileMatches[] = [];
   private failed: HutchError | undefined;
 
   constructor(
@@ -161,6 +184,8 @@ export class RegexSearch {
     private readonly limits: SearchLimits,
     /** The whole search's time, queueing for a worker included. */
     private readonly budget: WorkBudget,
+    /** Each file's result, in the order the files were added: the search keeps none of them. */
+    private readonly onFile: (r: FileMatches) => void,
   ) {
     // Syntax errors surface here, on the loop: parsing is linear, matching is what is not.
     try {
@@ -170,11 +195,15 @@ export class RegexSearch {
     }
   }
 
-  /** Adds a file's content; `release` (room held for it) is called once it has been searched or the search ends. */
-  async add(content: Uint8Array, release?: () => void): Promise<void> {
+  /**
+   * Adds a file's content and its modification time (the answer's order); `release` (room
+   * held for it) is called once it has been searched or the search ends.
+   */
+  async add(content: Uint8Array, mtime: number, release?: () => void): Promise<void> {
     if (release) this.batchHolds.push(release); // given back by close() if this throws
     this.checkDeadline();
     this.batch.push(content);
+    this.batchMtimes.push(mtime);
     this.batchBytes += content.length;
     if (this.batchBytes >= BATCH_BYTES || this.batch.length >= BATCH_FILES) await this.flush();
   }
@@ -187,10 +216,9 @@ export class RegexSearch {
     if (this.batch.length > 0 && this.batchBytes + bytes > BATCH_BYTES) await this.flush();
   }
 
-  async finish(): Promise<FileMatches[]> {
+  async finish(): Promise<void> {
     try {
       await this.flush();
-      return this.results;
     } finally {
       this.close();
     }
@@ -206,15 +234,15 @@ export class RegexSearch {
   private async flush(): Promise<void> {
     if (this.batch.length === 0) return;
     const files = this.batch;
+    const mtimes = this.batchMtimes;
     const holds = this.batchHolds;
     this.batch = [];
+    this.batchMtimes = [];
     this.batchBytes = 0;
     this.batchHolds = [];
     try {
       const w = await this.acquire();
-      const answer = await this.run(w, files);
-      // One by one: spreading a batch's answers as arguments overflowed the stack past ~100,000.
-      for (const a of answer) this.results.push(a);
+      for (const a of await this.run(w, files, mtimes)) this.onFile(a);
     } finally {
       releaseAll(holds);
     }
@@ -229,7 +257,7 @@ export class RegexSearch {
     return this.worker;
   }
 
-  private run(w: PooledWorker, files: Uint8Array[]): Promise<FileMatches[]> {
+  private run(w: PooledWorker, files: Uint8Array[], mtimes: number[]): Promise<FileMatches[]> {
     return this.withDeadline(
       new Promise<FileMatches[]>((resolve, reject) => {
         const onMessage = (m: { ok?: FileMatches[]; error?: string }) => {
@@ -248,7 +276,7 @@ export class RegexSearch {
         };
         w.worker.on('message', onMessage);
         w.worker.on('error', onError);
-        w.worker.postMessage({ pattern: this.pattern, flags: this.flags, files, perFileLimit: this.limits.perFileLimit, maxLineChars: this.limits.maxLineChars });
+        w.worker.postMessage({ pattern: this.pattern, flags: this.flags, files, mtimes, maxMatches: this.limits.maxMatches, maxLineChars: this.limits.maxLineChars, maxBytes: this.limits.maxBytes });
       }),
       () => undefined,
     );

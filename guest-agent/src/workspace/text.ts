@@ -1,4 +1,5 @@
 /** Text helpers shared by read, grep and edit. */
+import { AnswerCap, textBytes } from './answer-bounds.ts';
 
 export const MAX_LINE_CHARS = 2000;
 
@@ -18,48 +19,75 @@ export function looksBinary(buf: Uint8Array): boolean {
   return control / n > 0.3;
 }
 
-/** Splits on \n keeping \r in place; a trailing newline does not make an extra line. */
 /** Bytes scanned for newlines between two chances to yield. */
 const SCAN_CHUNK_BYTES = 1 << 20;
 
+export interface LineWindowOptions {
+  /**
+   * Bytes the window's lines may take, joined by '\n' with their prefixes: lines stop at the
+   * first that would pass it (`full`), though the first always comes.
+   */
+  maxBytes?: number;
+  /** Text put before each line, given its 0-based index in the file (read's `00012| `). */
+  prefix?: (line: number) => string;
+}
+
+export interface LineWindow {
+  /** Lines in the file. */
+  total: number;
+  /** The window's lines, decoded and prefixed. */
+  lines: string[];
+  /** How many of them were longer than MAX_LINE_CHARS and cut. */
+  cut: number;
+  /** The byte limit stopped the window before `count` lines or the end of the file. */
+  full: boolean;
+}
+
 /**
  * The lines `from` .. `from + count - 1` of a text buffer, decoded (each cut at
- * MAX_LINE_CHARS, with `cut` telling how many were), and how many lines it has: the text
- * split at '\n', a final newline ending the last line rather than starting an empty one
- * ('\n' is never part of a UTF-8 multibyte sequence, so the bytes split where the text
- * does). Works on the bytes: splitting a 64 MiB file of short lines into strings held the
- * loop for 760 ms and took 450 MB; this decodes only the lines asked for and calls `tick`
- * between megabytes (a LoopSlicer's, to let others run).
+ * MAX_LINE_CHARS, with `cut` telling how many were) as far as `maxBytes` allows, and how many
+ * lines it has: the text split at '\n', a final newline ending the last line rather than
+ * starting an empty one ('\n' is never part of a UTF-8 multibyte sequence, so the bytes
+ * split where the text does). Works on the bytes: splitting a 64 MiB file of short lines into
+ * strings held the loop for 760 ms and took 450 MB; this decodes each line of the window as
+ * the scan passes it, none once the window is full, and calls `tick` between megabytes (a
+ * LoopSlicer's, to let others run). So what it holds is the answer, never the file's lines:
+ * 40 million empty lines asked for whole made 40 million spans and strings (4 GiB of heap).
  */
-export async function lineWindow(buf: Uint8Array, from: number, count: number, tick: () => Promise<void>): Promise<{ total: number; lines: string[]; cut: number }> {
-  const spans: Array<[number, number]> = [];
+export async function lineWindow(buf: Uint8Array, from: number, count: number, tick: () => Promise<void>, opts: LineWindowOptions = {}): Promise<LineWindow> {
+  const dec = Buffer.from(buf.buffer, buf.byteOffset, buf.byteLength);
+  // A character is at most 4 bytes: this many decode to more than MAX_LINE_CHARS if the line is longer.
+  const maxLineBytes = MAX_LINE_CHARS * 4 + 4;
+  const answer = new AnswerCap(count, opts.maxBytes ?? Infinity);
+  const lines: string[] = [];
+  let cut = 0;
+  const take = (a: number, b: number, index: number) => {
+    let l = dec.toString('utf8', a, Math.min(b, a + maxLineBytes));
+    const long = l.length > MAX_LINE_CHARS || b - a > maxLineBytes;
+    if (long) l = `${l.slice(0, MAX_LINE_CHARS)}...`;
+    const text = opts.prefix ? opts.prefix(index) + l : l;
+    // Each line after the first adds its '\n' (textBytes counts one per line).
+    if (!answer.take(textBytes(text) - (lines.length === 0 ? 1 : 0))) return;
+    lines.push(text);
+    if (long) cut++;
+  };
   let line = 0;
   let start = 0;
   for (let base = 0; base < buf.length; base += SCAN_CHUNK_BYTES) {
     const end = Math.min(buf.length, base + SCAN_CHUNK_BYTES);
     for (let i = base; i < end; i++) {
       if (buf[i] !== 10) continue;
-      if (line >= from && line - from < count) spans.push([start, i]);
+      if (line >= from && line - from < count && !answer.full) take(start, i, line);
       line++;
       start = i + 1;
     }
     if (end < buf.length) await tick();
   }
   if (start < buf.length) {
-    if (line >= from && line - from < count) spans.push([start, buf.length]);
+    if (line >= from && line - from < count && !answer.full) take(start, buf.length, line);
     line++;
   }
-  // A character is at most 4 bytes: this many decode to more than MAX_LINE_CHARS if the line is longer.
-  const maxBytes = MAX_LINE_CHARS * 4 + 4;
-  let cut = 0;
-  const dec = Buffer.from(buf.buffer, buf.byteOffset, buf.byteLength);
-  const lines = spans.map(([a, b]) => {
-    const l = dec.toString('utf8', a, Math.min(b, a + maxBytes));
-    if (l.length <= MAX_LINE_CHARS && b - a <= maxBytes) return l;
-    cut++;
-    return `${l.slice(0, MAX_LINE_CHARS)}...`;
-  });
-  return { total: line, lines, cut };
+  return { total: line, lines, cut, full: answer.full };
 }
 
 

@@ -20,7 +20,7 @@ export const ToolArgs = {
   edit: z.object({ filePath: z.string().min(1), oldString: z.string(), newString: z.string(), replaceAll: z.boolean().optional() }),
   glob: z.object({ pattern: z.string().min(1), path: z.string().min(1).optional() }),
   grep: z.object({ pattern: z.string().min(1), path: z.string().min(1).optional(), include: z.string().min(1).optional() }),
-  list: z.object({ path: z.string().min(1).optional(), ignore: z.array(z.string()).optional() }),
+  list: z.object({ path: z.string().min(1).optional(), ignore: z.array(z.string()).optional(), offset: z.number().int().nonnegative().optional() }),
   bash: z.object({
     command: z.string().min(1).max(1024 * 1024),
     /** opencode passes milliseconds as `timeout`; recorded sessions use `timeout_s`. */

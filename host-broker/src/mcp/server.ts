@@ -79,6 +79,12 @@ function info(i: CallInfo): Record<string, unknown> {
   return { route: i.route, reason: i.reason, addedMs: i.addedMs, woke: i.woke, ...(i.syncErrors ? { syncErrors: i.syncErrors } : {}), ...(i.syncErrorsOmitted ? { syncErrorsOmitted: i.syncErrorsOmitted } : {}) };
 }
 
+/** How a cut answer says so, and where to go on. */
+function cutNote(r: { truncated: boolean; nextOffset?: number | undefined }): string {
+  if (!r.truncated) return '';
+  return r.nextOffset !== undefined ? `, truncated: more with offset=${r.nextOffset}` : ', truncated';
+}
+
 function ok(text: string, structured: Record<string, unknown>): CallToolResult {
   return { content: [{ type: 'text', text }], structuredContent: structured };
 }
@@ -180,7 +186,7 @@ export function createMcpServer(link: HutchLink): McpServer {
   server.registerTool(
     'read_file',
     {
-      description: 'Read a text file of the workspace (lines from offset, up to limit).',
+      description: 'Read a text file of the workspace (lines from offset, up to limit, default 2000; at most 50 KiB: a longer answer says the offset to go on from).',
       inputSchema: { sandbox_id: sandboxId, path: z.string().min(1), offset: z.number().int().nonnegative().optional(), limit: z.number().int().positive().optional() },
       annotations: { readOnlyHint: true },
     },
@@ -188,8 +194,19 @@ export function createMcpServer(link: HutchLink): McpServer {
       guard(async () => {
         const sb = await link.sandbox(a.sandbox_id);
         const r = await sb.files.read(a.path, { ...(a.offset !== undefined ? { offset: a.offset } : {}), ...(a.limit !== undefined ? { limit: a.limit } : {}) });
-        const more = r.hasMore ? ` (lines ${r.offset + 1}-${r.offset + r.lines} of ${r.totalLines}; more with offset)` : '';
-        return ok(`${r.content}\n${where(r)}${more}`, { path: r.path, content: r.content, offset: r.offset, lines: r.lines, totalLines: r.totalLines, hasMore: r.hasMore, ...info(r) });
+        const cut = r.truncated ? ', cut at 50 KiB' : '';
+        const more = r.hasMore ? ` (lines ${r.offset + 1}-${r.offset + r.lines} of ${r.totalLines}${cut}; more with offset=${r.nextOffset})` : '';
+        return ok(`${r.content}\n${where(r)}${more}`, {
+          path: r.path,
+          content: r.content,
+          offset: r.offset,
+          lines: r.lines,
+          totalLines: r.totalLines,
+          hasMore: r.hasMore,
+          truncated: r.truncated,
+          ...(r.nextOffset !== undefined ? { nextOffset: r.nextOffset } : {}),
+          ...info(r),
+        });
       }),
   );
 
@@ -230,7 +247,7 @@ export function createMcpServer(link: HutchLink): McpServer {
     (a) =>
       guard(async () => {
         const r = await (await link.sandbox(a.sandbox_id)).files.glob(a.pattern, a.path ? { path: a.path } : {});
-        return ok(`${r.files.join('\n')}${r.files.length ? '\n' : ''}[${r.files.length} file(s)${r.truncated ? ', truncated' : ''}] ${where(r)}`, { files: r.files, truncated: r.truncated, ...info(r) });
+        return ok(`${r.files.join('\n')}${r.files.length ? '\n' : ''}[${r.files.length} file(s)${cutNote(r)}] ${where(r)}`, { files: r.files, truncated: r.truncated, ...info(r) });
       }),
   );
 
@@ -246,7 +263,7 @@ export function createMcpServer(link: HutchLink): McpServer {
         const sb = await link.sandbox(a.sandbox_id);
         const r = await sb.files.grep(a.pattern, { ...(a.path ? { path: a.path } : {}), ...(a.include ? { include: a.include } : {}) });
         const lines = r.matches.map((m) => `${m.path}:${m.line}: ${m.text}`);
-        return ok(`${lines.join('\n')}${lines.length ? '\n' : ''}[${r.matches.length} match(es) in ${r.filesSearched} file(s)${r.truncated ? ', truncated' : ''}] ${where(r)}`, {
+        return ok(`${lines.join('\n')}${lines.length ? '\n' : ''}[${r.matches.length} match(es) in ${r.filesSearched} file(s)${cutNote(r)}] ${where(r)}`, {
           matches: r.matches,
           truncated: r.truncated,
           filesSearched: r.filesSearched,
@@ -258,18 +275,24 @@ export function createMcpServer(link: HutchLink): McpServer {
   server.registerTool(
     'list',
     {
-      description: 'Entries of a workspace directory (the root by default), recursively.',
-      inputSchema: { sandbox_id: sandboxId, path: z.string().min(1).optional(), ignore: z.array(z.string()).optional().describe('Glob patterns to leave out') },
+      description: 'Entries of a workspace directory (the root by default), recursively (at most 100; a truncated answer says the offset to go on from).',
+      inputSchema: {
+        sandbox_id: sandboxId,
+        path: z.string().min(1).optional(),
+        ignore: z.array(z.string()).optional().describe('Glob patterns to leave out'),
+        offset: z.number().int().nonnegative().optional().describe('Entries to pass over first (a truncated answer says where to go on)'),
+      },
       annotations: { readOnlyHint: true },
     },
     (a) =>
       guard(async () => {
-        const r = await (await link.sandbox(a.sandbox_id)).files.list(a.path, a.ignore ? { ignore: a.ignore } : {});
+        const r = await (await link.sandbox(a.sandbox_id)).files.list(a.path, { ...(a.ignore ? { ignore: a.ignore } : {}), ...(a.offset !== undefined ? { offset: a.offset } : {}) });
         const lines = r.entries.map((e) => (e.type === 'dir' ? `${e.path}/` : e.path));
-        return ok(`${lines.join('\n')}${lines.length ? '\n' : ''}[${r.entries.length} entr${r.entries.length === 1 ? 'y' : 'ies'}${r.truncated ? ', truncated' : ''}] ${where(r)}`, {
+        return ok(`${lines.join('\n')}${lines.length ? '\n' : ''}[${r.entries.length} entr${r.entries.length === 1 ? 'y' : 'ies'}${cutNote(r)}] ${where(r)}`, {
           path: r.path,
           entries: r.entries,
           truncated: r.truncated,
+          ...(r.nextOffset !== undefined ? { nextOffset: r.nextOffset } : {}),
           ...info(r),
         });
       }),

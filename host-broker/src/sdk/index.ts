@@ -316,13 +316,15 @@ export class Sandbox {
 
   /** opencode's file tools on this sandbox's workspace; each resolves to the tool's result plus route, reason and timings. */
   readonly files = {
+    /** Lines of a text file, at most `limit` (2000) and 50 KiB: with `hasMore`, `nextOffset` passed as `offset` goes on. */
     read: (filePath: string, o: { offset?: number; limit?: number } = {}) => this.tool<'fs.read'>('read', { filePath, ...o }),
     write: (filePath: string, content: string | Uint8Array) => this.tool<'fs.write'>('write', { filePath, content }),
     edit: (filePath: string, oldString: string, newString: string, o: { replaceAll?: boolean } = {}) =>
       this.tool<'fs.edit'>('edit', { filePath, oldString, newString, ...o }),
     glob: (pattern: string, o: { path?: string } = {}) => this.tool<'fs.glob'>('glob', { pattern, ...o }),
     grep: (pattern: string, o: { path?: string; include?: string } = {}) => this.tool<'fs.grep'>('grep', { pattern, ...o }),
-    list: (path?: string, o: { ignore?: string[] } = {}) => this.tool<'fs.list'>('list', { ...(path ? { path } : {}), ...o }),
+    /** Entries below `path`, at most 100 and 50 KiB of paths: a `truncated` answer's `nextOffset`, passed as `offset`, goes on. */
+    list: (path?: string, o: { ignore?: string[]; offset?: number } = {}) => this.tool<'fs.list'>('list', { ...(path ? { path } : {}), ...o }),
     /**
      * Streams a file of any size (up to the broker's streamed limit and the quota) into the
      * workspace, in chunks under the broker's credit window; the file appears whole at the end

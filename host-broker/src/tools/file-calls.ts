@@ -45,7 +45,7 @@ export async function runFileTool(files: FileToolTarget, tool: FileToolName, raw
     }
     case 'list': {
       const a = parseToolArgs('list', raw);
-      return { result: await files.list({ ...(a.path ? { path: a.path } : {}), ...(a.ignore ? { ignore: a.ignore } : {}) }) };
+      return { result: await files.list({ ...(a.path ? { path: a.path } : {}), ...(a.ignore ? { ignore: a.ignore } : {}), ...(a.offset !== undefined ? { offset: a.offset } : {}) }) };
     }
   }
 }
