@@ -89,6 +89,11 @@ export const ReadResultSchema = z.object({
   /** With hasMore: the offset that goes on from here. */
   nextOffset: z.number().int().optional(),
 });
+/**
+ * A search tool's walk stopped short of the whole tree (answer-bounds.ts WALK_MAX_DEPTH,
+ * WALK_MAX_ENTRIES): what it answers is from the part it saw; a narrower path sees the rest.
+ */
+const WalkLimitSchema = z.enum(['depth', 'entries']).optional();
 
 export const WriteParamsSchema = z.object({
   path: WsPath,
@@ -106,7 +111,7 @@ export const EditParamsSchema = z.object({
 export const EditResultSchema = z.object({ path: z.string(), replacements: z.number().int(), bytes: z.number().int() });
 
 export const GlobParamsSchema = z.object({ pattern: z.string().min(1).max(4096), path: OptionalWsPath, limit: limit(100_000).optional() });
-export const GlobResultSchema = z.object({ files: z.array(z.string()), truncated: z.boolean() });
+export const GlobResultSchema = z.object({ files: z.array(z.string()), truncated: z.boolean(), walkLimit: WalkLimitSchema });
 
 export const GrepParamsSchema = z.object({
   pattern: z.string().min(1).max(64 * 1024),
@@ -116,7 +121,7 @@ export const GrepParamsSchema = z.object({
   limit: limit(100_000).optional(),
 });
 export const GrepMatchSchema = z.object({ path: z.string(), line: z.number().int(), text: z.string() });
-export const GrepResultSchema = z.object({ matches: z.array(GrepMatchSchema), truncated: z.boolean(), filesSearched: z.number().int() });
+export const GrepResultSchema = z.object({ matches: z.array(GrepMatchSchema), truncated: z.boolean(), filesSearched: z.number().int(), walkLimit: WalkLimitSchema });
 
 export const EntryTypeSchema = z.enum(['file', 'dir', 'symlink', 'other']);
 export const ListParamsSchema = z.object({
@@ -132,6 +137,7 @@ export const ListResultSchema = z.object({
   truncated: z.boolean(),
   /** When the answer's limit or byte cap stopped it: the offset that goes on from here. */
   nextOffset: z.number().int().optional(),
+  walkLimit: WalkLimitSchema,
 });
 
 export const StatParamsSchema = z.object({ path: WsPath });

@@ -20,6 +20,22 @@ export const READ_DEFAULT_LINES = 2000;
  */
 export const ANSWER_MAX_BYTES = 50 * 1024;
 
+/**
+ * Levels below its start a search tool's walk (list, glob, grep) descends. Source trees go
+ * a few dozen levels deep; a tree deeper than this was made to be deep (a chain of
+ * directories from a loop of `mkdir d; cd d`), and an answer that stops here says so
+ * (`walkLimit: 'depth'`) instead of listing down to the 2,048 levels a path can name.
+ */
+export const WALK_MAX_DEPTH = 256;
+
+/**
+ * Directory entries a search tool's walk looks at (skipped and ignored ones included): the
+ * default workspace quota's entry count, so a workspace within the default quota is always
+ * searched whole, and one given a larger quota gets an answer marked `walkLimit: 'entries'`
+ * instead of a call whose time grows with it.
+ */
+export const WALK_MAX_ENTRIES = 200_000;
+
 /** What one path or line adds to an answer's text (as an agent prints it: one per line). */
 export function textBytes(s: string): number {
   return Buffer.byteLength(s) + 1;

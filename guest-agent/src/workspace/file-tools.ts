@@ -14,7 +14,7 @@ import type {
   StatParamsSchema,
   WriteParamsSchema,
 } from '../protocol/methods.ts';
-import { ANSWER_MAX_BYTES, AnswerCap, BoundedAnswer, READ_DEFAULT_LINES, textBytes } from './answer-bounds.ts';
+import { ANSWER_MAX_BYTES, AnswerCap, BoundedAnswer, READ_DEFAULT_LINES, textBytes, WALK_MAX_DEPTH, WALK_MAX_ENTRIES } from './answer-bounds.ts';
 import { writeFileAtomic } from './atomic-write.ts';
 import type { ResolveOptions, Resolution, Workspace } from './confine.ts';
 import { lstatAt, readFileAt, readlinkAt, type OpenedFile, removeTreeAt, renameAt, rmdirAt, unlinkAt } from './fd-path.ts';
@@ -22,7 +22,7 @@ import { compileGlob } from './glob-match.ts';
 import { nameFromBytes } from './names.ts';
 import { RegexSearch, type Match } from './regex-search.ts';
 import { firstOccurrence, lineWindow, looksBinary, MAX_LINE_CHARS, splitOccurrences } from './text.ts';
-import { walk, type WalkType } from './walk.ts';
+import { walk, type WalkBudget, type WalkType } from './walk.ts';
 import { LoopSlicer, WorkBudget } from './work-budget.ts';
 
 /** Directories the listing and search tools skip, as opencode's do. */
@@ -41,6 +41,8 @@ export interface FileToolsOptions {
   durable?: boolean;
   /** Time one grep, glob or list may take (ms), after which it fails with `timeout` (work-budget.ts). */
   searchTimeoutMs?: number;
+  /** How deep and how many entries one grep, glob or list walks (default WALK_MAX_DEPTH, WALK_MAX_ENTRIES). */
+  walk?: { maxDepth?: number; maxEntries?: number };
   /**
    * Called with what a write, edit or mkdir is about to add, before anything is written;
    * throwing refuses the call (the broker's workspace quota, sessions/workspace-quota.ts).
@@ -195,11 +197,12 @@ export class FileTools {
   async glob(p: In<typeof GlobParamsSchema>): Promise<ResultOf<'fs.glob'>> {
     const match = compileGlob(p.pattern);
     const budget = this.budget('glob');
+    const walked = this.walkBudget();
     return this.at(p.path ?? '.', {}, async (base) => {
       const limit = p.limit ?? 100;
       // Newest first, as opencode: the file the agent just touched is what it looks for.
       const found = new BoundedAnswer<{ rel: string; mtime: number }>((a, b) => b.mtime - a.mtime || (a.rel < b.rel ? -1 : a.rel > b.rel ? 1 : 0), limit, ANSWER_MAX_BYTES);
-      for await (const e of walk(this.dirFd(base, p.path), { skipDirs: SEARCH_SKIPPED_DIRS, tick: () => budget.tick() })) {
+      for await (const e of walk(this.dirFd(base, p.path), { skipDirs: SEARCH_SKIPPED_DIRS, tick: () => budget.tick(), budget: walked })) {
         if (e.type === 'dir' || !match(e.rel)) continue;
         const st = lstatAt(e.dirFd, e.name);
         if (!st) continue;
@@ -212,13 +215,14 @@ export class FileTools {
         if (!answer.take(textBytes(f.rel))) break;
         files.push(f.rel);
       }
-      return { files, truncated: found.offered > files.length };
+      return { files, truncated: found.offered > files.length || walked.hit !== undefined, ...walkLimit(walked) };
     });
   }
 
   async grep(p: In<typeof GrepParamsSchema>): Promise<ResultOf<'fs.grep'>> {
     const limit = p.limit ?? 100;
     const budget = this.budget('grep');
+    const walked = this.walkBudget();
     // Files whose search has not answered yet, in the order their contents went to it (a
     // batch holds thousands: taken by index, not shifted).
     let pending: SearchedFile[] = [];
@@ -263,7 +267,7 @@ export class FileTools {
         };
         if (start.stat?.isFile()) await consider(start.dirFd, start.name, start.rel);
         else if (start.stat?.isDirectory()) {
-          for await (const e of walk(start.openDir(), { skipDirs: SEARCH_SKIPPED_DIRS, tick: () => budget.tick() })) {
+          for await (const e of walk(start.openDir(), { skipDirs: SEARCH_SKIPPED_DIRS, tick: () => budget.tick(), budget: walked })) {
             if (e.type !== 'file' || (include && !include(e.rel))) continue;
             await consider(e.dirFd, e.name, childRel(start, e.rel));
           }
@@ -278,7 +282,7 @@ export class FileTools {
             matches.push({ path: f.rel, line: m.line, text: m.text });
           }
         }
-        return { matches, truncated: total > matches.length, filesSearched: candidates };
+        return { matches, truncated: total > matches.length || walked.hit !== undefined, filesSearched: candidates, ...walkLimit(walked) };
       });
     } finally {
       search.close();
@@ -288,13 +292,14 @@ export class FileTools {
   async list(p: In<typeof ListParamsSchema>): Promise<ResultOf<'fs.list'>> {
     const ignore = p.ignore?.length ? p.ignore.map((g) => compileGlob(g)) : [];
     const budget = this.budget('list');
+    const walked = this.walkBudget();
     return this.at(p.path ?? '.', {}, async (base) => {
       const offset = p.offset ?? 0;
       const answer = new AnswerCap(p.limit ?? 100, ANSWER_MAX_BYTES);
       const entries: Array<{ path: string; type: WalkType }> = [];
       let seen = 0;
       const skip = (rel: string) => ignore.some((m) => m(rel));
-      for await (const e of walk(this.dirFd(base, p.path), { skipDirs: DEFAULT_IGNORED_DIRS, skip, tick: () => budget.tick() })) {
+      for await (const e of walk(this.dirFd(base, p.path), { skipDirs: DEFAULT_IGNORED_DIRS, skip, tick: () => budget.tick(), budget: walked })) {
         if (seen++ < offset) continue;
         if (!answer.take(textBytes(e.rel))) break;
         entries.push({ path: e.rel, type: e.type });
@@ -302,9 +307,10 @@ export class FileTools {
       return {
         path: this.ws.display(base.rel),
         entries,
-        truncated: answer.full,
+        truncated: answer.full || walked.hit !== undefined,
         // The walk's order is the same each time (names sorted): the next call goes on from here.
         ...(answer.full ? { nextOffset: offset + entries.length } : {}),
+        ...walkLimit(walked),
       };
     });
   }
@@ -381,6 +387,10 @@ export class FileTools {
     return new WorkBudget(tool, this.opts.searchTimeoutMs ?? DEFAULT_SEARCH_TIMEOUT_MS);
   }
 
+  private walkBudget(): WalkBudget {
+    return { maxDepth: this.opts.walk?.maxDepth ?? WALK_MAX_DEPTH, maxEntries: this.opts.walk?.maxEntries ?? WALK_MAX_ENTRIES };
+  }
+
   private checkSize(bytes: number, path: string): void {
     if (bytes > this.maxFileBytes) {
       throw new HutchError('too_large', `${bytes} bytes exceeds the file limit of ${this.maxFileBytes}`, { path, bytes, limit: this.maxFileBytes });
@@ -432,6 +442,11 @@ interface SearchedFile {
 /** What a match adds to grep's answer, printed as `path:line: text`. */
 function matchBytes(path: string, m: Match): number {
   return textBytes(path) + textBytes(m.text) + 8;
+}
+
+/** A walk that stopped short: the answer says where, so the caller narrows its path. */
+function walkLimit(b: WalkBudget): { walkLimit?: 'depth' | 'entries' } {
+  return b.hit ? { walkLimit: b.hit } : {};
 }
 
 /** A walked entry's path as the tenant names it (relative to the workspace, not the walk's start). */

@@ -27,8 +27,8 @@ export interface WalkOptions {
   skipDirs?: ReadonlySet<string>;
   /** Entries to leave out; a directory left out is not descended into either. */
   skip?: (rel: string, type: WalkType) => boolean;
-  /** Stop after this many entries. */
-  limit?: number;
+  /** Depth and entry limits: past either the walk stops short and says which (search tools, answer-bounds.ts). */
+  budget?: WalkBudget;
   /** Called per directory entry, skipped ones included: lets a caller yield to the loop and enforce a deadline (work-budget.ts). */
   tick?: () => Promise<void>;
   /** List each directory on the calling thread (fd-path.ts readDirAtSync says when that is right). */
@@ -46,8 +46,25 @@ export interface WalkOptions {
   beyond?: (dirFd: number, name: Buffer, type: WalkType) => void;
 }
 
+/**
+ * How far a walk may go. Without one, a walk sees the whole tree (the quota and the sync
+ * must); a tool that answers a tenant stops where its answer would stop mattering.
+ */
+export interface WalkBudget {
+  /** Levels listed below the start: a directory at this level is reported, not entered. */
+  maxDepth: number;
+  /** Directory entries listed, skipped ones included: the walk ends at the next one. */
+  maxEntries: number;
+  /** Set when the walk stopped short of the whole tree, and why. */
+  hit?: 'depth' | 'entries';
+  /** Entries listed so far. */
+  entries?: number;
+}
+
 interface Frame {
   fd: number;
+  /** Levels below the start (the start is 0; its entries are at level 1). */
+  depth: number;
   closed?: boolean;
   /** The directory's path from the start; undefined past maxPathBytes (its entries go to `beyond`). */
   raw: Buffer | undefined;
@@ -89,16 +106,13 @@ export async function* walk(start: string | number, opts: WalkOptions = {}): Asy
   }
   const stack: Frame[] = [];
   const maxPath = opts.maxPathBytes ?? WORKSPACE_PATH_MAX_BYTES;
-  let count = 0;
   try {
-    let frame: Frame | undefined = { fd: startFd, raw: Buffer.alloc(0), subdirs: [] };
+    let frame: Frame | undefined = { fd: startFd, depth: 0, raw: Buffer.alloc(0), subdirs: [] };
     while (frame) {
       stack.push(frame);
       if (stack.length > FD_WINDOW + 1) park(stack[stack.length - 1 - FD_WINDOW] as Frame);
-      for await (const e of listDir(frame, opts, maxPath)) {
-        yield e;
-        if (opts.limit !== undefined && ++count >= opts.limit) return;
-      }
+      yield* listDir(frame, opts, maxPath);
+      if (opts.budget?.hit === 'entries') return;
       frame = undefined;
       // Next: the first pending subdirectory of the deepest frame that has one.
       while (!frame && stack.length > 0) {
@@ -117,7 +131,7 @@ export async function* walk(start: string | number, opts: WalkOptions = {}): Asy
         const fd = openChild(top.fd, next);
         if (fd === undefined) continue;
         const raw = top.raw === undefined ? undefined : top.raw.length ? joinNames([top.raw, next]) : next;
-        frame = { fd, raw: raw !== undefined && raw.length <= maxPath ? raw : undefined, subdirs: [] };
+        frame = { fd, depth: top.depth + 1, raw: raw !== undefined && raw.length <= maxPath ? raw : undefined, subdirs: [] };
       }
     }
   } finally {
@@ -167,7 +181,21 @@ async function* listDir(frame: Frame, opts: WalkOptions, maxPath: number): Async
     if (isFdExhaustion(err)) throw err;
     return; // unreadable: skip, as find does
   }
+  const budget = opts.budget;
+  // Its subdirectories would be listed one level further down than the budget goes.
+  const leaf = budget !== undefined && frame.depth + 1 >= budget.maxDepth;
+  const descend = (d: { name: Buffer }) => {
+    if (!leaf) frame.subdirs.push(d.name);
+    else if (budget) budget.hit ??= 'depth';
+  };
   for (const d of await nameOrder(entries, opts.tick)) {
+    if (budget) {
+      budget.entries = (budget.entries ?? 0) + 1;
+      if (budget.entries > budget.maxEntries) {
+        budget.hit = 'entries';
+        return;
+      }
+    }
     if (opts.tick) await opts.tick();
     const nameStr = nameFromBytes(d.name);
     if (isAtomicTempName(nameStr)) continue;
@@ -176,7 +204,7 @@ async function* listDir(frame: Frame, opts: WalkOptions, maxPath: number): Async
     if (raw === undefined || raw.length > maxPath) {
       if (!opts.beyond) continue;
       opts.beyond(frame.fd, d.name, d.type);
-      if (d.type === 'dir') frame.subdirs.push(d.name);
+      if (d.type === 'dir') descend(d);
       continue;
     }
     const rel = nameFromBytes(raw);
@@ -191,7 +219,7 @@ async function* listDir(frame: Frame, opts: WalkOptions, maxPath: number): Async
         return frame.fd;
       },
     };
-    if (d.type === 'dir') frame.subdirs.push(d.name);
+    if (d.type === 'dir') descend(d);
   }
 }
 

@@ -79,9 +79,10 @@ function info(i: CallInfo): Record<string, unknown> {
   return { route: i.route, reason: i.reason, addedMs: i.addedMs, woke: i.woke, ...(i.syncErrors ? { syncErrors: i.syncErrors } : {}), ...(i.syncErrorsOmitted ? { syncErrorsOmitted: i.syncErrorsOmitted } : {}) };
 }
 
-/** How a cut answer says so, and where to go on. */
-function cutNote(r: { truncated: boolean; nextOffset?: number | undefined }): string {
+/** How a cut answer says so: where the walk stopped short, or that there is more. */
+function cutNote(r: { truncated: boolean; walkLimit?: 'depth' | 'entries' | undefined; nextOffset?: number | undefined }): string {
   if (!r.truncated) return '';
+  if (r.walkLimit) return `, truncated: the search stopped at its ${r.walkLimit === 'depth' ? 'depth' : 'entry'} limit, narrow the path`;
   return r.nextOffset !== undefined ? `, truncated: more with offset=${r.nextOffset}` : ', truncated';
 }
 
@@ -247,7 +248,7 @@ export function createMcpServer(link: HutchLink): McpServer {
     (a) =>
       guard(async () => {
         const r = await (await link.sandbox(a.sandbox_id)).files.glob(a.pattern, a.path ? { path: a.path } : {});
-        return ok(`${r.files.join('\n')}${r.files.length ? '\n' : ''}[${r.files.length} file(s)${cutNote(r)}] ${where(r)}`, { files: r.files, truncated: r.truncated, ...info(r) });
+        return ok(`${r.files.join('\n')}${r.files.length ? '\n' : ''}[${r.files.length} file(s)${cutNote(r)}] ${where(r)}`, { files: r.files, truncated: r.truncated, ...(r.walkLimit ? { walkLimit: r.walkLimit } : {}), ...info(r) });
       }),
   );
 
@@ -266,6 +267,7 @@ export function createMcpServer(link: HutchLink): McpServer {
         return ok(`${lines.join('\n')}${lines.length ? '\n' : ''}[${r.matches.length} match(es) in ${r.filesSearched} file(s)${cutNote(r)}] ${where(r)}`, {
           matches: r.matches,
           truncated: r.truncated,
+          ...(r.walkLimit ? { walkLimit: r.walkLimit } : {}),
           filesSearched: r.filesSearched,
           ...info(r),
         });
@@ -293,6 +295,7 @@ export function createMcpServer(link: HutchLink): McpServer {
           entries: r.entries,
           truncated: r.truncated,
           ...(r.nextOffset !== undefined ? { nextOffset: r.nextOffset } : {}),
+          ...(r.walkLimit ? { walkLimit: r.walkLimit } : {}),
           ...info(r),
         });
       }),

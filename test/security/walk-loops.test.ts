@@ -1,0 +1,78 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { execFileSync } from 'node:child_process';
+import { closeSync, mkdirSync, mkdtempSync, openSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { WALK_MAX_DEPTH } from '../../guest-agent/src/workspace/answer-bounds.ts';
+import { Workspace } from '../../guest-agent/src/workspace/confine.ts';
+import { FileTools } from '../../guest-agent/src/workspace/file-tools.ts';
+import type { Hutch, Sandbox } from '../../host-broker/src/sdk/index.ts';
+import { startBroker, type TestBroker } from '../helpers/broker.ts';
+
+/**
+ * Issue 38, item 4: `list` on a 10,000-deep chain had not answered after 120 s. The file
+ * tools' walks stop at a depth and an entry budget with an answer that says so.
+ */
+
+/** A chain of `depth` directories named `d` under `dir`, made one mkdir and chdir at a time as a tenant would. */
+function chain(dir: string, depth: number, leaves: Record<number, string> = {}): void {
+  const files = JSON.stringify(leaves);
+  execFileSync('python3', ['-c', `import os, json\nos.chdir(${JSON.stringify(dir)})\nleaves = {int(k): v for k, v in json.loads(${JSON.stringify(files)}).items()}\nfor i in range(1, ${depth} + 1):\n    os.mkdir('d'); os.chdir('d')\n    if i in leaves: open(leaves[i], 'w').write('deep\\n')`]);
+}
+
+describe('deep trees', () => {
+  let b: TestBroker;
+  let hutch: Hutch;
+  let sb: Sandbox;
+  beforeAll(async () => {
+    b = await startBroker();
+    hutch = await b.connect();
+    sb = await hutch.create({ workspace: { files: { 'a.txt': 'A\n' } } });
+    const ws = join(b.dataDir, 'sessions', sb.id, 'workspace');
+    mkdirSync(join(ws, 'chain'));
+    chain(join(ws, 'chain'), 10_000, { 100: 'shallow.txt', [WALK_MAX_DEPTH + 50]: 'deep.txt' });
+  }, 300_000);
+  afterAll(async () => b?.stop());
+
+  it('list of a 10,000-deep chain answers its first page with where to go on, and past the depth budget says so', async () => {
+    const first = await sb.files.list('chain');
+    expect(first.entries).toHaveLength(100);
+    expect(first.entries[99]).toEqual({ path: Array.from({ length: 100 }, () => 'd').join('/'), type: 'dir' });
+    expect([first.truncated, first.nextOffset, first.walkLimit]).toEqual([true, 100, undefined]);
+    // Levels 1..WALK_MAX_DEPTH are listed (shallow.txt among them); the walk goes no deeper.
+    const last = await sb.files.list('chain', { offset: WALK_MAX_DEPTH - 5 });
+    expect(last.entries).toHaveLength(6);
+    expect(last.entries.at(-1)?.path.split('/')).toHaveLength(WALK_MAX_DEPTH);
+    expect([last.truncated, last.nextOffset, last.walkLimit]).toEqual([true, undefined, 'depth']);
+  }, 60_000);
+
+  it('glob and grep find what is within the depth budget, and say the walk stopped short', async () => {
+    const g = await sb.files.glob('**/*.txt');
+    expect(g.files.sort()).toEqual(['a.txt', `chain/${Array.from({ length: 100 }, () => 'd').join('/')}/shallow.txt`]);
+    expect([g.truncated, g.walkLimit]).toEqual([true, 'depth']);
+    const r = await sb.files.grep('deep');
+    expect(r.matches.map((m) => m.path.split('/').at(-1))).toEqual(['shallow.txt']);
+    expect([r.truncated, r.walkLimit]).toEqual([true, 'depth']);
+  }, 60_000);
+
+  it('a workspace of more entries than the walk budget gets an answer marked so, not a walk as long as the tree', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'hutch-walk-budget-'));
+    try {
+      mkdirSync(join(dir, 'wide'));
+      for (let i = 0; i < 1500; i++) closeSync(openSync(join(dir, 'wide', `f${String(i).padStart(4, '0')}`), 'w'));
+      writeFileSync(join(dir, 'wide', 'zz-needle.txt'), 'needle\n');
+      const tools = new FileTools(new Workspace(dir), { walk: { maxEntries: 1000 } });
+      const g = await tools.glob({ pattern: '**/*.txt' });
+      expect([g.files, g.truncated, g.walkLimit]).toEqual([[], true, 'entries']);
+      const r = await tools.grep({ pattern: 'needle' });
+      expect([r.matches, r.truncated, r.walkLimit]).toEqual([[], true, 'entries']);
+      const l = await tools.list({ ignore: ['f*'] });
+      expect([l.entries.map((e) => e.path), l.truncated, l.walkLimit]).toEqual([['wide'], true, 'entries']);
+      // Within the budget, the same tree is searched whole.
+      const whole = new FileTools(new Workspace(dir), { walk: { maxEntries: 2000 } });
+      expect(await whole.glob({ pattern: '**/*.txt' })).toEqual({ files: ['wide/zz-needle.txt'], truncated: false });
+    } finally {
+      execFileSync('rm', ['-rf', '--', dir]);
+    }
+  }, 60_000);
+});
