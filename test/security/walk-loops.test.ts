@@ -1,24 +1,94 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { execFileSync } from 'node:child_process';
-import { closeSync, mkdirSync, mkdtempSync, openSync, writeFileSync } from 'node:fs';
+import { closeSync, mkdirSync, mkdtempSync, openSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { WALK_MAX_DEPTH } from '../../guest-agent/src/workspace/answer-bounds.ts';
 import { Workspace } from '../../guest-agent/src/workspace/confine.ts';
 import { FileTools } from '../../guest-agent/src/workspace/file-tools.ts';
+import { initRouter, routeCommand } from '../../host-broker/src/router/index.ts';
 import type { Hutch, Sandbox } from '../../host-broker/src/sdk/index.ts';
 import { startBroker, type TestBroker } from '../helpers/broker.ts';
 
 /**
- * Issue 38, item 4: `list` on a 10,000-deep chain had not answered after 120 s. The file
- * tools' walks stop at a depth and an entry budget with an answer that says so.
+ * Issue 38, item 4: with `a -> .` in the workspace, fast-path `grep -r` and `find -L` ran
+ * until the client gave up at 60 s; `list` on a 10,000-deep chain had not answered after
+ * 120 s. GNU tools stop at a link back into a directory they are in, but not at a fan-out
+ * of links (each level's `x` and `y` both naming the next: 2^40 paths from 40 directories):
+ * the forms that follow links while they walk now go to the VM, and the file tools' walks
+ * stop at a depth and an entry budget with an answer that says so.
  */
+
+/** Directories l0..l{n}: l{i}/x and l{i}/y both link to l{i+1}, so l0 reaches l{n} by 2^n paths. */
+function linkFanOut(dir: string, n: number): void {
+  for (let i = 0; i <= n; i++) mkdirSync(join(dir, `l${i}`));
+  for (let i = 0; i < n; i++) for (const l of ['x', 'y']) symlinkSync(`../l${i + 1}`, join(dir, `l${i}`, l));
+  writeFileSync(join(dir, `l${n}`, 'f.txt'), 'deep\n');
+}
 
 /** A chain of `depth` directories named `d` under `dir`, made one mkdir and chdir at a time as a tenant would. */
 function chain(dir: string, depth: number, leaves: Record<number, string> = {}): void {
   const files = JSON.stringify(leaves);
   execFileSync('python3', ['-c', `import os, json\nos.chdir(${JSON.stringify(dir)})\nleaves = {int(k): v for k, v in json.loads(${JSON.stringify(files)}).items()}\nfor i in range(1, ${depth} + 1):\n    os.mkdir('d'); os.chdir('d')\n    if i in leaves: open(leaves[i], 'w').write('deep\\n')`]);
 }
+
+const FOLLOWING = [
+  'grep -R needle .',
+  'grep -rnR needle .',
+  'egrep --dereference-recursive needle',
+  'fgrep --deref needle .',
+  'find -L . -name f.txt',
+  'find -H -L l0',
+  'find l0 -follow -name f.txt',
+  'ls -RL l0',
+  'ls -lR --dereference l0',
+  'du -L l0',
+  'du -shL l0',
+  'cp -rL l0 copy',
+  'cp -aL l0 copy',
+  'cp --recursive --dereference l0 copy',
+  'diff -r l0 l1',
+  'diff --recursive l0 l1',
+];
+/** The same commands without following: they stay on the fast path. */
+const NOT_FOLLOWING = ['grep -rn needle .', 'find . -name f.txt', 'find -H l0 -name f.txt', 'ls -R l0', 'ls -L l0', 'du -sh l0', 'du -D l0', 'cp -r l0 copy', 'cp -L l0/f.txt copy', 'diff -r --no-dereference l0 l1', 'diff l0/x l1/x'];
+
+describe('symbolic link loops and fan-outs', () => {
+  let b: TestBroker;
+  let hutch: Hutch;
+  let sb: Sandbox;
+  beforeAll(async () => {
+    await initRouter();
+    b = await startBroker();
+    hutch = await b.connect();
+    sb = await hutch.create({ workspace: { files: { 'a.txt': 'needle\n' } } });
+    const ws = join(b.dataDir, 'sessions', sb.id, 'workspace');
+    linkFanOut(ws, 40);
+    symlinkSync('.', join(ws, 'self'));
+  }, 120_000);
+  afterAll(async () => b?.stop());
+
+  it('every command that follows links while it walks goes to the VM', () => {
+    for (const c of FOLLOWING) expect(routeCommand(c), c).toMatchObject({ route: 'vm', code: 'option', reason: expect.stringContaining('follows symbolic links') });
+  });
+
+  it('the same commands without following stay on the fast path', () => {
+    for (const c of NOT_FOLLOWING) expect(routeCommand(c).route, c).toBe('fastpath');
+  });
+
+  it('through the broker, find -L on a fan-out of 2^40 paths is routed to the VM', async () => {
+    // unsafe-local runs the VM route in the same sandbox: the call ends at its own timeout there.
+    const r = await sb.run('find -L l0 -name f.txt', { timeoutMs: 2000 });
+    expect(r.route).toBe('vm');
+    expect(r.reason).toContain('follows symbolic links');
+  }, 60_000);
+
+  it('the file tools never follow a link, and answer at once beside a loop and a fan-out', async () => {
+    expect((await sb.files.list()).entries.map((e) => e.path)).toEqual(expect.arrayContaining(['self', 'l0/x', 'l0/y']));
+    expect((await sb.files.glob('**/f.txt')).files).toEqual(['l40/f.txt']);
+    expect((await sb.files.grep('deep')).matches).toEqual([{ path: 'l40/f.txt', line: 1, text: 'deep' }]);
+  });
+});
 
 describe('deep trees', () => {
   let b: TestBroker;

@@ -16,8 +16,8 @@ import { analyseFind } from './find.ts';
 import { clip } from './parser.ts';
 import { analyseGit } from './git.ts';
 import { analyseJqFilter } from './jq.ts';
-import { hasOption, scanArgs, type ArgKind, type Scan } from './options.ts';
-import { ENV_ALLOWLIST, RULES, type CommandRule } from './rules.ts';
+import { hasOption, scanArgs, usesOption, type ArgKind, type Scan } from './options.ts';
+import { ENV_ALLOWLIST, FOLLOWS_LINKS, RULES, type CommandRule } from './rules.ts';
 import { analyseSed } from './sed.ts';
 import type { Assignment, Redirect, Script, SimpleCommand, Step, TestStep, Word } from './script.ts';
 import { expandWord, type Expanded } from './words.ts';
@@ -207,6 +207,10 @@ class Checker {
         break;
     }
     const scan = this.scan(name, rule, args);
+    const follows = rule.followsLinks;
+    if (follows && follows.when.every((any) => usesOption(scan, any)) && !usesOption(scan, follows.unless ?? [])) {
+      throw new Refusal('option', `\`${name} ${follows.when.map((any) => any[0]).join(' ')}\` ${FOLLOWS_LINKS}`);
+    }
     // sed's `-i` value is a backup suffix, checked by the sed analyser itself.
     if (rule.analyzer !== 'sed') this.optionValues(scan, name);
     const ops = scan.operands;

@@ -5,6 +5,7 @@
  * is an edit of the start points, which the caller checks as modified paths.
  */
 import type { ArgKind } from './options.ts';
+import { FOLLOWS_LINKS } from './rules.ts';
 import type { Expanded } from './words.ts';
 
 const RUNS = 'runs a command for each file';
@@ -24,12 +25,13 @@ const REFUSED: Record<string, string> = {
   '-group': USERS,
   '-nouser': USERS,
   '-nogroup': USERS,
+  '-follow': FOLLOWS_LINKS,
 };
 
 /** Primaries without an argument. */
 const NULLARY = new Set([
   '-print', '-print0', '-ls', '-prune', '-quit', '-delete', '-true', '-false', '-empty', '-readable', '-writable',
-  '-executable', '-depth', '-d', '-xdev', '-mount', '-noleaf', '-daystart', '-follow', '-ignore_readdir_race',
+  '-executable', '-depth', '-d', '-xdev', '-mount', '-noleaf', '-daystart', '-ignore_readdir_race',
   '-noignore_readdir_race', '-nowarn', '-warn', '-not', '-a', '-and', '-o', '-or', '!', '(', ')', ',', '-help', '--help', '-version', '--version',
 ]);
 
@@ -50,10 +52,11 @@ export type FindAnalysis =
 
 export function analyseFind(args: readonly Expanded[]): FindAnalysis {
   let i = 0;
-  // Leading options: -H -L -P, -D debugopts, -Olevel.
+  // Leading options: -H -L -P, -D debugopts, -Olevel. -H follows only the start points' links.
   while (i < args.length) {
     const v = (args[i] as Expanded).value;
-    if (v === '-H' || v === '-L' || v === '-P' || /^-O\d*$/.test(v)) i++;
+    if (v === '-L') return { ok: false, reason: `\`find -L\` ${FOLLOWS_LINKS}` };
+    if (v === '-H' || v === '-P' || /^-O\d*$/.test(v)) i++;
     else if (v === '-D') i += 2;
     else break;
   }

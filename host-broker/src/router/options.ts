@@ -177,3 +177,12 @@ function matchLong(table: ReadonlyMap<string, OptionSpec>, name: string): string
 export function hasOption(scan: Scan, ...names: string[]): boolean {
   return scan.options.some((o) => names.includes(o.canonical) || names.includes(o.name));
 }
+
+/**
+ * Whether the command was given one of `names`, a long one also under a prefix (getopt_long
+ * takes `--deref` for `--dereference`; an ambiguous prefix is an error there, so counting it
+ * is only stricter). For options without a value, which the table does not list.
+ */
+export function usesOption(scan: Scan, names: readonly string[]): boolean {
+  return scan.options.some((o) => names.some((n) => o.name === n || (n.startsWith('--') && o.name.startsWith('--') && o.name.length > 2 && n.startsWith(o.name))));
+}

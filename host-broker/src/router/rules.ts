@@ -56,6 +56,11 @@ export interface CommandRule {
   readsHome?: readonly string[];
   /** POSIX-style: options end at the first operand. */
   noPermute?: boolean;
+  /**
+   * Options that together make it follow symbolic links while it walks a tree: one of each
+   * list (long options also by a prefix, as getopt takes them), none of `unless`.
+   */
+  followsLinks?: { when: ReadonlyArray<readonly string[]>; unless?: readonly string[] };
 }
 
 const none = optionTable('');
@@ -65,6 +70,14 @@ function rule(about: string, operands: OperandRole, notation = '', refuse: Recor
 }
 
 const RUNS = 'runs a program';
+/**
+ * Following links while recursing is endless on a tenant's tree: GNU tools stop at a link
+ * back to a directory they are in, but not at a fan-out (`l0/x` and `l0/y` both linking to
+ * `l1`, and so on down: 2^40 paths from 40 directories), which held `find -L`, `grep -R`,
+ * `ls -RL`, `cp -rL` and `diff -r` until the caller gave up, on the fast path's host CPU.
+ * In the VM such a walk costs only the tenant's own VM.
+ */
+export const FOLLOWS_LINKS = 'follows symbolic links while it walks the tree (a fan-out of links makes the walk endless)';
 const FOLLOW = 'follows the file forever';
 const CHECK = 'reads file names from a checksum list';
 
@@ -72,6 +85,9 @@ const GREP_OPTS =
   '-e:~ --regexp:~ -f:< --file:< -m:= --max-count:= -A:= --after-context:= -B:= --before-context:= -C:= --context:= ' +
   '-d:= --directories:= -D:= --devices:= --include:= --exclude:= --exclude-dir:= --exclude-from:< --color:? --colour:? ' +
   '--label:= --binary-files:= --group-separator:=';
+
+/** grep -r follows only the links it is given; -R every link it meets. */
+const GREP_REFUSE = { '-R': FOLLOWS_LINKS, '--dereference-recursive': FOLLOWS_LINKS };
 
 const SUM_OPTS = '-l:= --length:= -a:= --algorithm:=';
 const SUM_REFUSE = { '-c': CHECK, '--check': CHECK };
@@ -98,9 +114,10 @@ export const RULES: ReadonlyMap<string, CommandRule> = new Map<string, CommandRu
   ['tail', rule('print the last lines', 'read', '-n:= --lines:= -c:= --bytes:= -s:= --sleep-interval:= --pid:= --max-unchanged-stats:=', { '-f': FOLLOW, '-F': FOLLOW, '--follow': FOLLOW, '--retry': FOLLOW })],
   ['wc', rule('count lines, words, bytes', 'read', '--files0-from:<')],
   ['nl', rule('number lines', 'read', '-b:= -d:= -f:= -h:= -i:= -l:= -n:= -s:= -v:= -w:= --body-numbering:= --section-delimiter:= --footer-numbering:= --header-numbering:= --line-increment:= --join-blank-lines:= --number-format:= --number-separator:= --starting-line-number:= --number-width:=')],
-  ['ls', rule('list directories', 'read', '-I:= --ignore:= --hide:= -w:= --width:= -T:= --tabsize:= --format:= --sort:= --time:= --time-style:= --color:? --block-size:= --quoting-style:= --indicator-style:= --hyperlink:?')],
+  ['ls', rule('list directories', 'read', '-I:= --ignore:= --hide:= -w:= --width:= -T:= --tabsize:= --format:= --sort:= --time:= --time-style:= --color:? --block-size:= --quoting-style:= --indicator-style:= --hyperlink:?', {}, { followsLinks: { when: [['-L', '--dereference'], ['-R', '--recursive']] } })],
   ['stat', rule('show file metadata', 'read', '-c:~ --format:~ --printf:~')],
-  ['du', rule('show disk usage', 'read', '-d:= --max-depth:= -B:= --block-size:= --exclude:= -X:< --exclude-from:< --files0-from:< -t:= --threshold:= --time:? --time-style:=')],
+  // du -L skips a directory it has seen, but with -l (count every link) walks a fan-out whole.
+  ['du', rule('show disk usage', 'read', '-d:= --max-depth:= -B:= --block-size:= --exclude:= -X:< --exclude-from:< --files0-from:< -t:= --threshold:= --time:? --time-style:=', { '-L': FOLLOWS_LINKS, '--dereference': FOLLOWS_LINKS })],
   ['file', rule('identify file types', 'read', '-m:< --magic-file:< -f:< --files-from:< -F:= --separator:= -e:= --exclude:= -P:= --parameter:=', { '-C': 'compiles a magic file', '--compile': 'compiles a magic file', '-z': 'may run decompressors', '-Z': 'may run decompressors', '--uncompress': 'may run decompressors', '--uncompress-noreport': 'may run decompressors' })],
   ['realpath', rule('resolve paths', 'read', '--relative-to:< --relative-base:<')],
   ['readlink', rule('print symlink targets', 'read')],
@@ -121,14 +138,15 @@ export const RULES: ReadonlyMap<string, CommandRule> = new Map<string, CommandRu
   ['base64', rule('encode or decode base64', 'read', '-w:= --wrap:=')],
 
   // Text filters.
-  ['grep', rule('search file contents', 'read', GREP_OPTS, {}, { analyzer: 'grep' })],
-  ['egrep', rule('grep -E', 'read', GREP_OPTS, {}, { analyzer: 'grep' })],
-  ['fgrep', rule('grep -F', 'read', GREP_OPTS, {}, { analyzer: 'grep' })],
+  ['grep', rule('search file contents', 'read', GREP_OPTS, GREP_REFUSE, { analyzer: 'grep' })],
+  ['egrep', rule('grep -E', 'read', GREP_OPTS, GREP_REFUSE, { analyzer: 'grep' })],
+  ['fgrep', rule('grep -F', 'read', GREP_OPTS, GREP_REFUSE, { analyzer: 'grep' })],
   ['sort', rule('sort lines', 'read', '-o:> --output:> -T:> --temporary-directory:> -k:~ --key:~ -t:~ --field-separator:~ -S:= --buffer-size:= --parallel:= --batch-size:= --files0-from:< --random-source:< --sort:=', { '--compress-program': RUNS }, { injection: true })],
   ['uniq', rule('drop repeated lines (second operand is written)', 'read', '-f:= -s:= -w:= --skip-fields:= --skip-chars:= --check-chars:= --group:? --all-repeated:?', {}, { analyzer: 'uniq' })],
   ['cut', rule('cut fields', 'read', '-b:= -c:= -f:= -d:~ --bytes:= --characters:= --fields:= --delimiter:~ --output-delimiter:~')],
   ['tr', rule('translate characters (stdin only)', 'data')],
-  ['diff', rule('compare files', 'read', '-x:~ --exclude:~ -X:< --exclude-from:< -I:~ --ignore-matching-lines:~ -F:~ --show-function-line:~ -L:~ --label:~ -U:= -C:= --unified:? --context:? -W:= --width:= --from-file:< --to-file:< --line-format:~ --old-line-format:~ --new-line-format:~ --unchanged-line-format:~ --old-group-format:~ --new-group-format:~ --changed-group-format:~ --unchanged-group-format:~ --ifdef:~ -D:~ --horizon-lines:= --tabsize:= --color:? --palette:~ -S:= --starting-file:=')],
+  // diff -r follows every link it meets unless told not to.
+  ['diff', rule('compare files', 'read', '-x:~ --exclude:~ -X:< --exclude-from:< -I:~ --ignore-matching-lines:~ -F:~ --show-function-line:~ -L:~ --label:~ -U:= -C:= --unified:? --context:? -W:= --width:= --from-file:< --to-file:< --line-format:~ --old-line-format:~ --new-line-format:~ --unchanged-line-format:~ --old-group-format:~ --new-group-format:~ --changed-group-format:~ --unchanged-group-format:~ --ifdef:~ -D:~ --horizon-lines:= --tabsize:= --color:? --palette:~ -S:= --starting-file:=', {}, { followsLinks: { when: [['-r', '--recursive']], unless: ['--no-dereference'] } })],
   ['cmp', rule('compare bytes', 'read', '-i:= --ignore-initial:= -n:= --bytes:=')],
   ['comm', rule('compare sorted files', 'read', '--output-delimiter:~')],
   ['paste', rule('merge lines', 'read', '-d:~ --delimiters:~')],
@@ -152,7 +170,7 @@ export const RULES: ReadonlyMap<string, CommandRule> = new Map<string, CommandRu
   ['rmdir', rule('remove empty directories', 'modify')],
   ['rm', rule('remove files', 'modify', '--interactive:?')],
   ['truncate', rule('shrink or extend files', 'modify', '-s:= --size:= -r:< --reference:<')],
-  ['cp', rule('copy files', 'read', '-t:> --target-directory:> -S:= --suffix:= --backup:? --reflink:? --sparse:= --preserve:? --no-preserve:=', { '-s': 'creates symlinks', '--symbolic-link': 'creates symlinks' }, { analyzer: 'cp' })],
+  ['cp', rule('copy files', 'read', '-t:> --target-directory:> -S:= --suffix:= --backup:? --reflink:? --sparse:= --preserve:? --no-preserve:=', { '-s': 'creates symlinks', '--symbolic-link': 'creates symlinks' }, { analyzer: 'cp', followsLinks: { when: [['-L', '--dereference'], ['-r', '-R', '--recursive', '-a', '--archive']] } })],
   ['mv', rule('move files', 'modify', '-t:> --target-directory:> -S:= --suffix:= --backup:?', {}, { analyzer: 'mv' })],
   ['ln', rule('create links (symlink targets must stay relative and below the link)', 'read', '-t:> --target-directory:> -S:= --suffix:= --backup:?', {}, { analyzer: 'ln' })],
   ['chmod', rule('change permission bits', 'modify', '--reference:<', {}, { analyzer: 'chmod' })],
