@@ -49,6 +49,8 @@ export interface BrokerOptions {
   log: Logger;
   /** Largest file the file tools read or write (default 64 MiB). */
   maxFileBytes?: number;
+  /** How long a command the router sent to the fast path may run before it fails `timeout` (default 30 s, FASTPATH_MAX_RUN_MS). */
+  fastPathMaxMs?: number;
   /** Workspace quota per session (default 2 GiB and 200,000 entries); a create may ask less. */
   quota?: { bytes: number; files: number };
   /** Release a session's VM after this long without a VM call (default 5 s); overrides policy.idleMs. */
@@ -181,6 +183,7 @@ export class Broker {
         log: opts.log,
         policy: this.policy,
         ...(opts.maxFileBytes ? { maxFileBytes: opts.maxFileBytes } : {}),
+        ...(opts.fastPathMaxMs ? { fastPathMaxMs: opts.fastPathMaxMs } : {}),
         ...(opts.quota ? { quota: opts.quota } : {}),
         fileBytes: this.fileBytes,
         slotDisk: this.slotDisk,

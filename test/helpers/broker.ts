@@ -31,6 +31,8 @@ export async function startBroker(
     backend?: string;
     dataDir?: string;
     maxFileBytes?: number;
+    /** How long a fast-path command may run (default the broker's 30 s). */
+    fastPathMaxMs?: number;
     idleMs?: number;
     policy?: Partial<SandboxPolicy>;
     /** More principals beside the default token's. */
@@ -66,6 +68,7 @@ export async function startBroker(
     fastPath,
     log,
     ...(o.maxFileBytes ? { maxFileBytes: o.maxFileBytes } : {}),
+    ...(o.fastPathMaxMs ? { fastPathMaxMs: o.fastPathMaxMs } : {}),
     ...(o.idleMs ? { idleMs: o.idleMs } : {}),
     ...(o.policy ? { policy: o.policy } : {}),
     ...(o.tokens ? { tokens: o.tokens } : {}),

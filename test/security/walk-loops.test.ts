@@ -3,6 +3,7 @@ import { execFileSync } from 'node:child_process';
 import { closeSync, mkdirSync, mkdtempSync, openSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import { WALK_MAX_DEPTH } from '../../guest-agent/src/workspace/answer-bounds.ts';
 import { Workspace } from '../../guest-agent/src/workspace/confine.ts';
 import { FileTools } from '../../guest-agent/src/workspace/file-tools.ts';
@@ -15,8 +16,9 @@ import { startBroker, type TestBroker } from '../helpers/broker.ts';
  * until the client gave up at 60 s; `list` on a 10,000-deep chain had not answered after
  * 120 s. GNU tools stop at a link back into a directory they are in, but not at a fan-out
  * of links (each level's `x` and `y` both naming the next: 2^40 paths from 40 directories):
- * the forms that follow links while they walk now go to the VM, and the file tools' walks
- * stop at a depth and an entry budget with an answer that says so.
+ * the forms that follow links while they walk now go to the VM, a fast-path command stops
+ * at the fast path's own time (a typed `timeout`, well before a client's 60 s), and the file
+ * tools' walks stop at a depth and an entry budget with an answer that says so.
  */
 
 /** Directories l0..l{n}: l{i}/x and l{i}/y both link to l{i+1}, so l0 reaches l{n} by 2^n paths. */
@@ -59,12 +61,13 @@ describe('symbolic link loops and fan-outs', () => {
   let sb: Sandbox;
   beforeAll(async () => {
     await initRouter();
-    b = await startBroker();
+    b = await startBroker({ fastPathMaxMs: 1500 });
     hutch = await b.connect();
     sb = await hutch.create({ workspace: { files: { 'a.txt': 'needle\n' } } });
     const ws = join(b.dataDir, 'sessions', sb.id, 'workspace');
     linkFanOut(ws, 40);
     symlinkSync('.', join(ws, 'self'));
+    execFileSync('mkfifo', [join(ws, 'pipe')]);
   }, 120_000);
   afterAll(async () => b?.stop());
 
@@ -81,6 +84,21 @@ describe('symbolic link loops and fan-outs', () => {
     const r = await sb.run('find -L l0 -name f.txt', { timeoutMs: 2000 });
     expect(r.route).toBe('vm');
     expect(r.reason).toContain('follows symbolic links');
+  }, 60_000);
+
+  it('a fast-path command that runs past the fast path time fails `timeout`, with what it printed', async () => {
+    // A FIFO nobody writes: `cat` waits on it for as long as it is let.
+    const err = await sb.run('echo before; cat pipe', { timeoutMs: 20_000 }).then(
+      () => undefined,
+      (e: unknown) => e,
+    );
+    expect(err).toBeInstanceOf(HutchError);
+    expect((err as HutchError).code).toBe('timeout');
+    expect((err as HutchError).message).toContain("route: 'vm'");
+    expect((err as HutchError).context).toMatchObject({ route: 'fastpath', limitMs: 1500, result: { stdout: 'before\n', timedOut: true } });
+    // The caller's own, shorter, timeout still answers as before: a result that says it timed out.
+    const own = await sb.run('cat pipe', { timeoutMs: 500 });
+    expect([own.route, own.timedOut]).toEqual(['fastpath', true]);
   }, 60_000);
 
   it('the file tools never follow a link, and answer at once beside a loop and a fan-out', async () => {

@@ -55,6 +55,8 @@ export interface SessionDeps {
   maxFileBytes?: number;
   /** Ceiling on a call's timeout (default MAX_CALL_TIMEOUT_MS). */
   maxCallTimeoutMs?: number;
+  /** How long a command the router sent to the fast path may run (default FASTPATH_MAX_RUN_MS). */
+  fastPathMaxMs?: number;
   /** Routing, wake and release policy (levels). */
   policy: SandboxPolicy;
   /** The broker's workspace quota per session (default DEFAULT_QUOTA); a create may ask less. */
@@ -72,6 +74,15 @@ const FILE_BYTES_WAIT_MS = 30_000;
 export const DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024;
 /** The recorded sessions' default bash timeout. */
 export const DEFAULT_BASH_TIMEOUT_MS = 600_000;
+/**
+ * How long a command runs on the fast path before it fails `timeout`, whatever the call's own
+ * timeout: the fast path is for the quick read-only commands the router proves (`cat`, `grep
+ * -rn`, `git diff`), and runs them on the broker's host, outside any VM. A walk a tenant can
+ * make endless or quadratic (a FIFO to `cat`, `find .` down a 100,000-level chain) held it
+ * for the call's whole timeout (10 minutes by default) and its caller for longer than a
+ * client waits (typically 60 s). A command that needs longer is sent with `route: 'vm'`.
+ */
+export const FASTPATH_MAX_RUN_MS = 30_000;
 /** The longest timeout a call may ask for (a call holds its session's queue and a VM slot meanwhile). */
 export const MAX_CALL_TIMEOUT_MS = 3_600_000;
 /** FileTools' default file limit, also the fast path's RLIMIT_FSIZE ceiling. */
@@ -312,13 +323,22 @@ export class Session {
     const bounded = { ...common, signal: AbortSignal.any([over.signal, ...(common.signal ? [common.signal] : [])]), ...(onHost ? { fileSizeLimitBytes: this.quota.fileSizeLimit(this.deps.maxFileBytes ?? DEFAULT_MAX_FILE_BYTES) } : {}) };
     try {
       if (decision.route === 'fastpath') {
+        const ceiling = this.deps.fastPathMaxMs ?? FASTPATH_MAX_RUN_MS;
+        const capped = timeoutMs > ceiling;
         try {
-          r = await this.deps.fastPath.run({ ...bounded, workspace: this.workspaceDir });
+          r = await this.deps.fastPath.run({ ...bounded, workspace: this.workspaceDir, ...(capped ? { timeoutMs: ceiling } : {}) });
         } finally {
           // A writing command may have written anywhere in the workspace: the next VM call
           // scans it. One the router proved read-only (cat, grep, ls) changed nothing, and its
           // next VM call pushes without a scan of the tree.
           if (mayWrite) this.vm.hostChanges.markAll();
+        }
+        if (capped && r.timedOut) {
+          throw new HutchError(
+            'timeout',
+            `the command ran past the fast path's ${ceiling} ms and was stopped (the fast path runs quick read-only commands on the host); to run it for up to its own timeout, call it with route: 'vm'`,
+            { route: 'fastpath', limitMs: ceiling, timeoutMs, result: result(r) },
+          );
         }
       } else {
         const out = await this.vm.vmCall((sb, changes) => sb.exec(sinks.stdin ? { ...bounded, stdin: sinks.stdin } : bounded, changes));
