@@ -49,11 +49,11 @@ describe('lineWindow', () => {
     });
   }
 
-  it('hands the loop back between megabytes, and the read tool uses it on a 64 MiB file of short lines', async () => {
+  it('hands the loop back every 64 KiB, and the read tool uses it on a 64 MiB file of short lines', async () => {
     const buf = Buffer.from('a\n'.repeat(32 * 1024 * 1024 - 1));
     let ticks = 0;
     const w = await lineWindow(buf, 5, 2, async () => void ticks++);
-    expect([w.total, w.lines, ticks]).toEqual([32 * 1024 * 1024 - 1, ['a', 'a'], 63]); // one per MiB scanned but the last
+    expect([w.total, w.lines, ticks]).toEqual([32 * 1024 * 1024 - 1, ['a', 'a'], 1023]); // one per 64 KiB scanned but the last
     const dir = mkdtempSync(join(tmpdir(), 'hutch-linewindow-'));
     try {
       writeFileSync(join(dir, 'short.txt'), buf);

@@ -19,8 +19,12 @@ export function looksBinary(buf: Uint8Array): boolean {
   return control / n > 0.3;
 }
 
-/** Bytes scanned for newlines between two chances to yield. */
-const SCAN_CHUNK_BYTES = 1 << 20;
+/**
+ * Bytes scanned for newlines between two chances to yield. Small enough for the scan's
+ * first, unoptimised run: V8 interprets the loop at ~100 ns a byte until it has compiled
+ * it, so a first megabyte held the loop 100-180 ms (7 ms once compiled).
+ */
+const SCAN_CHUNK_BYTES = 64 * 1024;
 
 export interface LineWindowOptions {
   /**
@@ -50,7 +54,7 @@ export interface LineWindow {
  * starting an empty one ('\n' is never part of a UTF-8 multibyte sequence, so the bytes
  * split where the text does). Works on the bytes: splitting a 64 MiB file of short lines into
  * strings held the loop for 760 ms and took 450 MB; this decodes each line of the window as
- * the scan passes it, none once the window is full, and calls `tick` between megabytes (a
+ * the scan passes it, none once the window is full, and calls `tick` every 64 KiB (a
  * LoopSlicer's, to let others run). So what it holds is the answer, never the file's lines:
  * 40 million empty lines asked for whole made 40 million spans and strings (4 GiB of heap).
  */
