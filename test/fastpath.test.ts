@@ -131,7 +131,7 @@ describe('fast path', () => {
       expect((await run(fp, { command: 'kill -TERM $$', workspace: ws })).exitCode).toBe(128 + 15);
       const env = await run(fp, { command: 'env', workspace: ws, env: { FOO: 'bar' } });
       expect(env.out).toContain('FOO=bar\n');
-      expect(env.out).toContain('HOME=/tmp\n');
+      expect(env.out).toContain('HOME=/home/tenant\n');
       expect(env.out).not.toContain(SECRET_ENV);
     });
 
