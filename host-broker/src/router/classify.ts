@@ -21,7 +21,7 @@ import { clip } from './parser.ts';
 import { analyseGit } from './git.ts';
 import { analyseJqFilter } from './jq.ts';
 import { hasOption, scanArgs, type ArgKind, type Scan } from './options.ts';
-import { ENV_ALLOWLIST, RULES, type CommandRule } from './rules.ts';
+import { environmentRefusal, RULES, type CommandRule } from './rules.ts';
 import { analyseSed } from './sed.ts';
 import type { Assignment, Redirect, Script, SimpleCommand, Step, TestStep, Word } from './script.ts';
 import { expandWord, type Expanded } from './words.ts';
@@ -183,23 +183,25 @@ class Checker {
 
   private assign(list: readonly Assignment[]): void {
     for (const a of list) {
-      const check = ENV_ALLOWLIST.get(a.name);
-      if (!check && !SHELL_VAR.test(a.name)) {
-        throw new Refusal('environment', `assigning \`${a.name}\` may change what later commands do`);
-      }
+      // A lowercase name is a shell variable (none of them is in the environment); any
+      // other may be, and then changes what later commands do, as a prefix would.
+      const exported = !SHELL_VAR.test(a.name);
+      if (exported && environmentRefusal(a.name)) throw new Refusal('environment', `assigning \`${a.name}\` may change what later commands do`);
       const value = a.value ? this.expandOne(a.value, true).value : '';
-      const why = check?.(value);
-      if (why) throw new Refusal('environment', `\`${clip(a.source)}\`: ${why}`);
-      this.vars.set(a.name, a.append ? (this.vars.get(a.name) ?? '') + value : value);
+      const full = a.append ? (this.vars.get(a.name) ?? '') + value : value;
+      if (exported) this.environmentValue(a.name, full, a.source);
+      this.vars.set(a.name, full);
     }
   }
 
   private envPrefix(a: Assignment): void {
-    const check = ENV_ALLOWLIST.get(a.name);
-    if (!check) throw new Refusal('environment', `\`${a.name}=\` may change what the command does; only locale and display variables are allowed`);
-    const value = a.value ? this.expandOne(a.value, true).value : '';
-    const why = check(value);
-    if (why) throw new Refusal('environment', `\`${clip(a.source)}\`: ${why}`);
+    if (environmentRefusal(a.name)) throw new Refusal('environment', `\`${a.name}=\` may change what the command does; only locale and display variables are allowed`);
+    this.environmentValue(a.name, a.value ? this.expandOne(a.value, true).value : '', a.source);
+  }
+
+  private environmentValue(name: string, value: string, source: string): void {
+    const why = environmentRefusal(name, value);
+    if (why) throw new Refusal('environment', `\`${clip(source)}\`: ${'value' in why ? why.value : why.name}`);
   }
 
   // ---- arguments ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import type { GitReach } from './git-config.ts';
 import { probeHostBinaries } from './host.ts';
 import { isWithin } from './paths.ts';
 import { initShellParser, parseScript } from './parser.ts';
-import { FASTPATH_BINARIES } from './rules.ts';
+import { environmentRefusal, FASTPATH_BINARIES } from './rules.ts';
 import type { ProblemCode, Script } from './script.ts';
 
 export type { RouteCode } from './classify.ts';
@@ -122,17 +122,9 @@ export function routeCommand(command: string, opts: RouteOptions = {}): RouteDec
   };
 }
 
-/**
- * Variables a caller may set on a fast-path call: they change formatting, never which
- * program runs or what it loads. Anything else (LD_PRELOAD, LD_LIBRARY_PATH, BASH_ENV, ENV,
- * PATH, GIT_*, PAGER, TMPDIR...) sends the call to the VM, where the environment is the
- * tenant's own business.
- */
-const SAFE_CALL_ENV = /^(LANG|LANGUAGE|LC_[A-Z]+|TZ|TERM|COLUMNS|LINES|NO_COLOR|FORCE_COLOR|CLICOLOR|CLICOLOR_FORCE)$/;
-
 export interface CallRouteRequest {
   command: string;
-  /** The call's environment: part of the decision. */
+  /** The call's environment: part of the decision, checked as inline assignments are. */
   env?: Readonly<Record<string, string>> | undefined;
   /** The caller's wish: `vm` is honoured; `fastpath` only where the router agrees. */
   forced?: Route | undefined;
@@ -152,9 +144,12 @@ export interface CallRouteRequest {
  */
 export async function routeCall(req: CallRouteRequest): Promise<RouteDecision> {
   if (req.forced === 'vm') return vm('forced', 'route forced to the VM by the caller');
-  const unsafeEnv = Object.keys(req.env ?? {}).filter((k) => !SAFE_CALL_ENV.test(k));
   const asked = req.forced === 'fastpath' ? ' (the caller asked for the fast path; only the VM can be forced)' : '';
-  if (unsafeEnv.length) return vm('call_env', `the call sets ${unsafeEnv.slice(0, 3).join(', ')} in its environment, which can change what runs${asked}`);
+  // The same check as an inline `NAME=value` (rules.ts ENV_ALLOWLIST), so both forms route alike.
+  for (const [name, value] of Object.entries(req.env ?? {})) {
+    const why = environmentRefusal(name, value);
+    if (why) return vm('call_env', `the call's environment sets ${name}, which can change what runs: ${'value' in why ? why.value : why.name}${asked}`);
+  }
   const d = routeCommand(req.command, {
     ...(req.homeChanged !== undefined ? { homeChanged: req.homeChanged } : {}),
     ...(req.canRun ? { canRun: req.canRun } : {}),
