@@ -8,6 +8,7 @@
  *   fp.describe();                                  // what is enforced, and how
  */
 import { statSync } from 'node:fs';
+import { availableParallelism } from 'node:os';
 import { posix } from 'node:path';
 import { createLogger, type Logger } from '../../../guest-agent/src/log.ts';
 import { runProcess, type RunResult } from '../../../guest-agent/src/process/run-process.ts';
@@ -55,6 +56,12 @@ export interface FastPathOptions {
   maxProcesses?: number;
   /** Default 512 MiB. */
   memoryBytes?: number;
+  /**
+   * Runs the broker admits at once (its admission holds them to it; default two per CPU,
+   * at least 4): with the limits above it makes the pool's totals, which the kernel holds
+   * every run of this fast path to together, admitted or not.
+   */
+  maxConcurrentRuns?: number;
   /** Size cap of the private /tmp (its pages also count against memoryBytes). Default 256 MiB. */
   tmpBytes?: number;
   defaultTimeoutMs?: number;
@@ -155,6 +162,8 @@ export class FastPath {
   private closed = false;
 
   private constructor(
+    /** What one run may hold, and how many the broker should admit at once (the pool holds their total). */
+    readonly runLimits: { memoryBytes: number; maxConcurrentRuns: number },
     private readonly bwrap: { path: string; version: string },
     private readonly layout: HostLayout,
     private readonly etc: SandboxEtc,
@@ -177,9 +186,14 @@ export class FastPath {
     let etc: SandboxEtc | undefined;
     try {
       etc = createSandboxEtc(IDENTITY);
+      const maxProcesses = options.maxProcesses ?? 64;
+      const memoryBytes = options.memoryBytes ?? 512 * 1024 * 1024;
+      const maxConcurrentRuns = options.maxConcurrentRuns ?? Math.max(4, 2 * availableParallelism());
       const limiter = await createLimiter({
-        maxProcesses: options.maxProcesses ?? 64,
-        memoryBytes: options.memoryBytes ?? 512 * 1024 * 1024,
+        maxProcesses,
+        memoryBytes,
+        totalProcesses: maxConcurrentRuns * maxProcesses,
+        totalMemoryBytes: maxConcurrentRuns * memoryBytes,
         mechanism: options.limitMechanism,
         cgroupParent: options.cgroupParent,
         shell: SHELL,
@@ -187,6 +201,7 @@ export class FastPath {
         log,
       });
       const fp = new FastPath(
+        { memoryBytes, maxConcurrentRuns },
         { path: bwrapPath, version },
         probeHostLayout(),
         etc,
