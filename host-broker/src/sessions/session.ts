@@ -342,9 +342,13 @@ export class Session {
     const bounded = { ...common, signal: AbortSignal.any([over.signal, ...(common.signal ? [common.signal] : [])]), ...(onHost ? { fileSizeLimitBytes: this.quota.fileSizeLimit(this.deps.maxFileBytes ?? DEFAULT_MAX_FILE_BYTES) } : {}) };
     try {
       if (decision.route === 'fastpath') {
+        // A run slot and its memory from the broker's one budget, fairly between principals, or `busy`.
+        const admitted = await this.deps.admission.admitFastPath(this.id, this.owner);
+        queuedMs = admitted.queuedMs;
         try {
           r = await this.deps.fastPath.run({ ...bounded, workspace: this.workspaceDir });
         } finally {
+          admitted.release();
           // A writing command may have written anywhere in the workspace: the next VM call
           // scans it. One the router proved read-only (cat, grep, ls) changed nothing, and its
           // next VM call pushes without a scan of the tree.
