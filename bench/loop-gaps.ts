@@ -17,8 +17,8 @@
  *                  sliced and looked up: cubic in the depth)
  *   Routing a tenant's call: route (the router on the worst of a set of 64 KiB commands, each
  *                  past the syntax budget), git_config (the git check on a repository whose
- *                  .git/config is 64 MiB), git_nested (the check for nested repositories in the
- *                  100,000-file tree); baselines route_unbounded_parse (tree-sitter parsing those
+ *                  .git/config is 64 MiB), git_index (the same check where the index is the
+ *                  largest it reads for submodules, 32 MiB of entries); baselines route_unbounded_parse (tree-sitter parsing those
  *                  commands to the end, the least an unbounded router pays) and git_config_read
  *                  (reading and scanning that config whole, the previous code)
  *   Decoding a tenant's request: frames (four 16 MiB WebSocket frames as the broker takes
@@ -42,7 +42,7 @@ import { execFileSync } from 'node:child_process';
 import { measureWorkspace } from '../host-broker/src/sessions/workspace-quota.ts';
 import { createRequire } from 'node:module';
 import { Language, Parser } from 'web-tree-sitter';
-import { gitConfigHazard, programKey } from '../host-broker/src/router/git-config.ts';
+import { gitConfigHazard, MAX_INDEX_BYTES, programKey } from '../host-broker/src/router/git-config.ts';
 import { initRouter, MAX_ROUTED_LENGTH, routeCall } from '../host-broker/src/router/index.ts';
 import { Packr } from 'msgpackr';
 import { checkMsgpackShape, parseJsonBounded } from '../guest-agent/src/protocol/value-shape.ts';
@@ -132,6 +132,24 @@ const gitRoot = mkdtempSync(join(tmpdir(), 'hutch-bench-git-'));
 process.on('exit', () => rmSync(gitRoot, { recursive: true, force: true }));
 mkdirSync(join(gitRoot, '.git'));
 writeFileSync(join(gitRoot, '.git', 'config'), '[core]\n\tbare = false\n'.repeat(3_000_000));
+// A repository whose index is as large as the git check reads (version 2, SHA-1 entries of 72 bytes).
+const indexRoot = mkdtempSync(join(tmpdir(), 'hutch-bench-index-'));
+process.on('exit', () => rmSync(indexRoot, { recursive: true, force: true }));
+mkdirSync(join(indexRoot, '.git'));
+{
+  const entries = Math.floor((MAX_INDEX_BYTES - 32) / 72);
+  const index = Buffer.alloc(12 + entries * 72 + 20);
+  index.write('DIRC', 0, 'latin1');
+  index.writeUInt32BE(2, 4);
+  index.writeUInt32BE(entries, 8);
+  for (let i = 0; i < entries; i++) {
+    const at = 12 + i * 72;
+    index.writeUInt32BE(0o100644, at + 24);
+    index.writeUInt16BE(8, at + 60);
+    index.write(`f${String(i).padStart(7, '0')}`, at + 62, 'latin1');
+  }
+  writeFileSync(join(indexRoot, '.git', 'index'), index);
+}
 
 const tools = new FileTools(new Workspace(root));
 const scanned = await scanTree(root);
@@ -150,8 +168,8 @@ const walkers: Record<string, () => Promise<unknown>> = {
       await new Promise((r) => setImmediate(r)); // calls arrive one by one, not in one turn
     }
   },
-  git_config: () => gitConfigHazard(gitRoot),
-  git_nested: () => gitConfigHazard(root, { nested: true }),
+  git_config: () => gitConfigHazard(gitRoot, { dirs: [''] }),
+  git_index: () => gitConfigHazard(indexRoot, { dirs: [''] }),
   frames: () => decodeFrames(true),
 };
 const baselines: Record<string, () => Promise<unknown>> = {

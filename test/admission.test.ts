@@ -189,3 +189,34 @@ describe('memory per principal', () => {
     }
   }, 120_000);
 });
+
+describe('fast-path runs', () => {
+  it('a principal at its cap waits while another principal is served, in turn', async () => {
+    const a = new Admission({ maxConcurrentWakes: 1, maxConcurrentVmCalls: 1, memoryBudgetMiB: 10_000, queueTimeoutMs: 200, maxConcurrentFastPath: 3, principalFastPath: 1, fastPathRunMiB: 100, fastPathQueueMs: 5000 });
+    const first = await a.admitFastPath('s1', 'p');
+    const order: string[] = [];
+    const second = a.admitFastPath('s2', 'p').then((r) => (order.push('p'), r));
+    const other = await a.admitFastPath('s3', 'q');
+    order.push('q');
+    expect(a.fastPathRuns.inUse).toBe(2);
+    expect(a.fastPathReservedMiB).toBe(200);
+    first.release();
+    (await second).release();
+    other.release();
+    expect(order).toEqual(['q', 'p']);
+    expect(a.fastPathReservedMiB).toBe(0);
+    expect(a.memoryReservedMiB).toBe(0);
+  });
+
+  it('waits for memory within its deadline, then fails busy; a VM share is not charged', async () => {
+    const a = new Admission({ maxConcurrentWakes: 1, maxConcurrentVmCalls: 1, memoryBudgetMiB: 1000, principalMemoryMiB: 500, queueTimeoutMs: 200, fastPathRunMiB: 400, fastPathQueueMs: 300 });
+    const vm = await a.reserveMemory(500, 'vm', 'p');
+    // The principal's VMs are at their share; its fast-path run still fits the budget.
+    const run = await a.admitFastPath('s1', 'p');
+    await expect(a.admitFastPath('s2', 'q')).rejects.toMatchObject({ code: 'busy' });
+    expect(a.fastPathRuns.inUse).toBe(1); // the refused run gave its slot back
+    run.release();
+    vm();
+    expect(a.memoryReservedMiB).toBe(0);
+  });
+});

@@ -131,7 +131,7 @@ describe('fast path', () => {
       expect((await run(fp, { command: 'kill -TERM $$', workspace: ws })).exitCode).toBe(128 + 15);
       const env = await run(fp, { command: 'env', workspace: ws, env: { FOO: 'bar' } });
       expect(env.out).toContain('FOO=bar\n');
-      expect(env.out).toContain('HOME=/tmp\n');
+      expect(env.out).toContain('HOME=/home/tenant\n');
       expect(env.out).not.toContain(SECRET_ENV);
     });
 
@@ -441,13 +441,14 @@ describe.each(['helper', 'in-process'] as const)('fast path limits (%s spawner)'
     if (parents.length === 0) ctx.skip('no cgroups in use here (rlimit mechanism)');
     const extra = await FastPath.create({ log: noopLogger, spawner });
     await run(extra, { command: 'true', workspace: ws });
-    const mine = (dir: string) => (existsSync(dir) ? readdirSync(dir).filter((n) => n.startsWith(`slot-${process.pid}-`)) : []);
-    const before = parents.flatMap(mine);
-    expect(before.length).toBeGreaterThan(0);
+    // Each fast path has a pool of its own, its slots below it.
+    const pools = extra.describe().limits.cgroupParents;
+    expect(pools.some((p) => parents.includes(p))).toBe(false);
+    expect(pools.flatMap((dir) => readdirSync(dir).filter((n) => n.startsWith(`slot-${process.pid}-`))).length).toBeGreaterThan(0);
     await extra.close();
-    // Only `fp`'s own slots remain (fewer than before, and none of extra's).
-    const after = parents.flatMap(mine);
-    expect(after.length).toBeLessThan(before.length);
+    // extra's pool is gone; `fp`'s stays.
+    expect(pools.filter((p) => existsSync(p))).toEqual([]);
+    expect(parents.filter((p) => existsSync(p))).toEqual(parents);
   });
 });
 

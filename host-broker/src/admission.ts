@@ -7,16 +7,20 @@ type Waiter = { resolve: () => void; reject: (e: Error) => void; timer: NodeJS.T
  * goes to the principals in turn (round robin), and each principal's own waiters in arrival
  * order. Plain FIFO let one tenant with a hundred sessions put a hundred wakes ahead of
  * everyone else's next one. Each session has at most one call in flight, so within a
- * principal this is also fair between its sessions.
+ * principal this is also fair between its sessions. A principal may also hold at most
+ * `perPrincipal` slots at once: past it its waiters wait while other principals' go by.
  */
 export class FairSemaphore {
   private active = 0;
+  /** Principal -> slots it holds. */
+  private readonly held = new Map<string, number>();
   /** Principal -> its waiters; the map's order is the rotation (a served principal goes last). */
   private readonly queues = new Map<string, Waiter[]>();
 
   constructor(
     private readonly limit: number,
     private readonly what: string,
+    private readonly perPrincipal = Infinity,
   ) {}
 
   get waiting(): number {
@@ -29,10 +33,16 @@ export class FairSemaphore {
     return this.active;
   }
 
+  /** Slots one principal holds now. */
+  heldBy(principal: string): number {
+    return this.held.get(principal) ?? 0;
+  }
+
   async acquire(timeoutMs?: number, principal = ''): Promise<() => void> {
-    if (this.active < this.limit && this.queues.size === 0) {
-      this.active++;
-      return this.releaser();
+    // Waiters still queued are all of principals at their own cap (pump admits the others).
+    if (this.active < this.limit && this.heldBy(principal) < this.perPrincipal && !this.queues.has(principal)) {
+      this.take(principal);
+      return this.releaser(principal);
     }
     await new Promise<void>((resolve, reject) => {
       const w: Waiter = {
@@ -48,37 +58,52 @@ export class FairSemaphore {
                   q.splice(i, 1);
                   if (q.length === 0) this.queues.delete(principal);
                 }
-                reject(new HutchError('busy', `waited ${timeoutMs} ms for a free ${this.what} slot (${this.limit} in use); retry later`, { what: this.what, limit: this.limit }));
+                const mine = this.heldBy(principal);
+                const why = mine >= this.perPrincipal ? `principal ${principal || 'default'} holds ${mine} of the ${this.perPrincipal} it may` : `${this.limit} in use`;
+                reject(new HutchError('busy', `waited ${timeoutMs} ms for a free ${this.what} slot (${why}); retry later`, { what: this.what, limit: this.limit, perPrincipal: this.perPrincipal, principalHeld: mine }));
               }, timeoutMs),
       };
       const q = this.queues.get(principal);
       if (q) q.push(w);
       else this.queues.set(principal, [w]);
     });
-    return this.releaser();
+    return this.releaser(principal);
   }
 
-  /** The next waiter: the first principal in the rotation, which then goes to the back. */
-  private next(): Waiter | undefined {
-    for (const [principal, q] of this.queues) {
-      const w = q.shift();
-      this.queues.delete(principal);
-      if (q.length > 0) this.queues.set(principal, q);
-      if (w) return w;
+  private take(principal: string): void {
+    this.active++;
+    this.held.set(principal, this.heldBy(principal) + 1);
+  }
+
+  /** Gives free slots to waiters: the first principal in the rotation below its cap, which then goes to the back. */
+  private pump(): void {
+    while (this.active < this.limit) {
+      let served = false;
+      for (const [principal, q] of this.queues) {
+        if (this.heldBy(principal) >= this.perPrincipal) continue;
+        const w = q.shift() as Waiter;
+        this.queues.delete(principal);
+        if (q.length > 0) this.queues.set(principal, q);
+        if (w.timer) clearTimeout(w.timer);
+        this.take(principal);
+        w.resolve();
+        served = true;
+        break;
+      }
+      if (!served) return;
     }
-    return undefined;
   }
 
-  private releaser(): () => void {
+  private releaser(principal: string): () => void {
     let done = false;
     return () => {
       if (done) return;
       done = true;
-      const next = this.next();
-      if (next) {
-        if (next.timer) clearTimeout(next.timer);
-        next.resolve(); // the slot passes straight to the next waiter
-      } else this.active--;
+      this.active--;
+      const left = this.heldBy(principal) - 1;
+      if (left > 0) this.held.set(principal, left);
+      else this.held.delete(principal);
+      this.pump();
     };
   }
 }
@@ -103,20 +128,37 @@ export interface AdmissionOptions {
    * every other tenant's wakes waited, then failed busy.
    */
   principalMemoryMiB?: number;
+  /** Fast-path runs at once, broker-wide (default DEFAULT_FASTPATH_RUNS; the broker passes its fast path's own figure). */
+  maxConcurrentFastPath?: number;
+  /** Fast-path runs one principal may have at once (default: all of them). */
+  principalFastPath?: number;
+  /** What a fast-path run counts against the memory budget while it runs, MiB: its own limit (default 512). */
+  fastPathRunMiB?: number;
+  /** How long a fast-path call may wait for a run slot and for memory before `busy` (default DEFAULT_FASTPATH_QUEUE_MS). */
+  fastPathQueueMs?: number;
 }
 
 /** A VM call's hold on its admission slot: the push, the start of its run, a short call whole. */
 export const DEFAULT_VM_CALL_SLOT_MS = 10_000;
+export const DEFAULT_FASTPATH_RUNS = 4;
+export const DEFAULT_FASTPATH_QUEUE_MS = 30_000;
+const DEFAULT_FASTPATH_RUN_MIB = 512;
 
 /**
- * Admission for the expensive route: wakes and VM calls queue fairly up to what the
- * host can run, and a memory budget bounds live VMs. File tools and the fast path never
- * pass through here, so they never wait behind a wake.
+ * Admission: wakes and VM calls queue fairly up to what the host can run, and one memory
+ * budget bounds what live VMs and running fast-path commands hold (each VM at its size,
+ * each fast-path run at its cgroup limit). Fast-path runs have slots of their own (so they
+ * never wait behind a wake's slot, only for memory when the budget is spent), at most so
+ * many at once and per principal (a session runs one call at a time anyway): eight
+ * sessions of one tenant each holding a 400 MB `tail` took 3.2 GiB of the host, unbounded
+ * by anything but the session count.
  */
 export class Admission {
   readonly wakes: FairSemaphore;
   readonly vmCalls: FairSemaphore;
+  readonly fastPathRuns: FairSemaphore;
   private reservedMiB = 0;
+  private fastPathMiB = 0;
   /** Principal -> MiB its live VMs reserve. */
   private readonly byPrincipal = new Map<string, number>();
   private readonly memWaiters: Array<() => void> = [];
@@ -128,6 +170,41 @@ export class Admission {
   constructor(readonly opts: AdmissionOptions) {
     this.wakes = new FairSemaphore(opts.maxConcurrentWakes, 'wake');
     this.vmCalls = new FairSemaphore(opts.maxConcurrentVmCalls, 'VM call');
+    this.fastPathRuns = new FairSemaphore(opts.maxConcurrentFastPath ?? DEFAULT_FASTPATH_RUNS, 'fast-path run', opts.principalFastPath ?? Infinity);
+  }
+
+  /**
+   * Admits a fast-path run: a run slot (principals in turn, each to its cap), then its memory
+   * from the shared budget (standby VMs give theirs up; the principal's VM share is not
+   * charged: its cap on runs bounds it). Both within fastPathQueueMs, else `busy`. The
+   * returned function ends the run's hold; `queuedMs` is how long it waited.
+   */
+  async admitFastPath(session: string, principal = ''): Promise<{ release: () => void; queuedMs: number }> {
+    const t0 = performance.now();
+    const timeoutMs = this.opts.fastPathQueueMs ?? DEFAULT_FASTPATH_QUEUE_MS;
+    const slot = await this.fastPathRuns.acquire(timeoutMs, principal);
+    try {
+      const mib = this.opts.fastPathRunMiB ?? DEFAULT_FASTPATH_RUN_MIB;
+      const memory = await this.reserveMemory(mib, session, principal, { timeoutMs: Math.max(0, timeoutMs - (performance.now() - t0)), fastPath: true });
+      this.fastPathMiB += mib;
+      let released = false;
+      const release = () => {
+        if (released) return;
+        released = true;
+        this.fastPathMiB -= mib;
+        memory();
+        slot();
+      };
+      return { release, queuedMs: performance.now() - t0 };
+    } catch (err) {
+      slot();
+      throw err;
+    }
+  }
+
+  /** Reserved by running fast-path commands, MiB. */
+  get fastPathReservedMiB(): number {
+    return this.fastPathMiB;
   }
 
   /**
@@ -185,19 +262,24 @@ export class Admission {
     return this.wakesWaitingForMemory === 0 && this.reservedMiB + mib <= this.opts.memoryBudgetMiB;
   }
 
-  /** Reserves memory for a VM about to wake (standbys give theirs up first); the returned function gives it back. */
-  async reserveMemory(mib: number, session: string, principal = ''): Promise<() => void> {
+  /**
+   * Reserves memory for a VM about to wake (standbys give theirs up first), or with
+   * `fastPath` for a fast-path run (not charged to the principal's VM share); the returned
+   * function gives it back.
+   */
+  async reserveMemory(mib: number, session: string, principal = '', o: { timeoutMs?: number; fastPath?: boolean } = {}): Promise<() => void> {
+    const what = o.fastPath ? 'a fast-path run' : 'its VM';
     if (mib > this.opts.memoryBudgetMiB) {
-      throw new HutchError('too_large', `session ${session} asks for ${mib} MiB, above the host memory budget of ${this.opts.memoryBudgetMiB} MiB`, { session, mib });
+      throw new HutchError('too_large', `session ${session} asks for ${mib} MiB for ${what}, above the host memory budget of ${this.opts.memoryBudgetMiB} MiB`, { session, mib });
     }
-    const cap = Math.min(this.opts.principalMemoryMiB ?? Infinity, this.opts.memoryBudgetMiB);
+    const cap = o.fastPath ? this.opts.memoryBudgetMiB : Math.min(this.opts.principalMemoryMiB ?? Infinity, this.opts.memoryBudgetMiB);
     if (mib > cap) throw new HutchError('too_large', `session ${session} asks for ${mib} MiB, above the ${cap} MiB one principal's VMs may hold`, { session, mib, principalMemoryMiB: cap });
-    const deadline = Date.now() + this.opts.queueTimeoutMs;
+    const deadline = Date.now() + (o.timeoutMs ?? this.opts.queueTimeoutMs);
     this.wakesWaitingForMemory++;
     try {
       for (;;) {
         // (A share that is the whole budget is the budget's check alone.)
-        const overShare = cap < this.opts.memoryBudgetMiB && (this.byPrincipal.get(principal) ?? 0) + mib > cap;
+        const overShare = !o.fastPath && cap < this.opts.memoryBudgetMiB && (this.byPrincipal.get(principal) ?? 0) + mib > cap;
         const overBudget = this.reservedMiB + mib > this.opts.memoryBudgetMiB;
         if (!overShare && !overBudget) break;
         // Standbys give their room up, oldest first, but only when that makes room: a wake
@@ -218,15 +300,16 @@ export class Admission {
               principalMemoryMiB: cap,
             });
           }
-          throw new HutchError('busy', `host memory budget exhausted (${this.reservedMiB - this.yieldingMiB} of ${this.opts.memoryBudgetMiB} MiB reserved by live VMs); session ${session} cannot wake now`, {
+          throw new HutchError('busy', `host memory budget exhausted (${this.reservedMiB - this.yieldingMiB} of ${this.opts.memoryBudgetMiB} MiB reserved by live VMs and fast-path runs); session ${session} cannot start ${what} now`, {
             session,
             reservedMiB: this.reservedMiB,
+            fastPathMiB: this.fastPathMiB,
             budgetMiB: this.opts.memoryBudgetMiB,
           });
         }
         await this.memoryFreed(left);
       }
-      return this.hold(mib, principal);
+      return this.hold(mib, o.fastPath ? undefined : principal);
     } finally {
       this.wakesWaitingForMemory--;
     }

@@ -14,7 +14,7 @@ import { initRouter } from './router/index.ts';
 import { privateDir, SessionManager } from './sessions/session-manager.ts';
 import type { FastPathRunner } from './tools/fastpath-runner.ts';
 import { FileStreams, isStreamOp } from './tools/file-stream.ts';
-import { Admission, type AdmissionOptions } from './admission.ts';
+import { Admission, DEFAULT_FASTPATH_RUNS, type AdmissionOptions } from './admission.ts';
 import { watchBudget } from './sync/watch-budget.ts';
 import { BrokerMetrics, listenMetrics } from './metrics.ts';
 import { availableParallelism, totalmem } from 'node:os';
@@ -167,7 +167,16 @@ export class Broker {
     const admission = { ...defaultAdmission(), ...opts.admission };
     // With several principals, none may hold more than half the VM memory unless the operator says so.
     const principals = Object.keys({ ...(opts.token !== undefined ? { default: true } : {}), ...opts.tokens }).length;
-    this.admission = new Admission({ ...admission, principalMemoryMiB: admission.principalMemoryMiB ?? (principals > 1 ? Math.floor(admission.memoryBudgetMiB / 2) : admission.memoryBudgetMiB) });
+    // Fast-path runs: as many at once as the fast path's pool cgroup holds, each counted at its limit; half of them per principal with several.
+    const runs = opts.fastPath.runLimits;
+    const maxConcurrentFastPath = admission.maxConcurrentFastPath ?? runs?.maxConcurrentRuns ?? DEFAULT_FASTPATH_RUNS;
+    this.admission = new Admission({
+      ...admission,
+      principalMemoryMiB: admission.principalMemoryMiB ?? (principals > 1 ? Math.floor(admission.memoryBudgetMiB / 2) : admission.memoryBudgetMiB),
+      maxConcurrentFastPath,
+      principalFastPath: admission.principalFastPath ?? (principals > 1 ? Math.max(1, Math.floor(maxConcurrentFastPath / 2)) : maxConcurrentFastPath),
+      ...(runs && admission.fastPathRunMiB === undefined ? { fastPathRunMiB: Math.ceil(runs.memoryBytes / 2 ** 20) } : {}),
+    });
     opts.backend.attachMemoryBudget?.(this.admission);
     const slotDisk = { ...defaultSlotDisk(opts.dataDir, principals), ...opts.slotDisk };
     // A total given alone: one principal's share follows it, as the default's does.
@@ -254,11 +263,13 @@ export class Broker {
     this.metrics.sessions.set(all.length);
     this.metrics.admissionWaiting.set({ kind: 'wake' }, this.admission.wakes.waiting);
     this.metrics.admissionWaiting.set({ kind: 'vm_call' }, this.admission.vmCalls.waiting);
+    this.metrics.admissionWaiting.set({ kind: 'fastpath' }, this.admission.fastPathRuns.waiting);
     this.metrics.memoryBudget.set(this.admission.opts.memoryBudgetMiB);
     this.metrics.watchedDirs.set({ state: 'used' }, watchBudget.used);
     this.metrics.watchedDirs.set({ state: 'max' }, watchBudget.maxDirs);
-    this.metrics.memoryReserved.set({ holder: 'vm' }, this.admission.memoryReservedMiB - this.admission.yieldingMiB);
+    this.metrics.memoryReserved.set({ holder: 'vm' }, this.admission.memoryReservedMiB - this.admission.yieldingMiB - this.admission.fastPathReservedMiB);
     this.metrics.memoryReserved.set({ holder: 'standby' }, this.admission.yieldingMiB);
+    this.metrics.memoryReserved.set({ holder: 'fastpath' }, this.admission.fastPathReservedMiB);
     this.metrics.slotDisk.set({ state: 'held' }, this.slotDisk.heldBytes());
     this.metrics.slotDisk.set({ state: 'limit' }, this.slotDisk.opts.totalBytes);
     const standby = this.opts.backend.standbyStats?.();

@@ -53,10 +53,10 @@ export class BrokerMetrics {
   readonly sessions = new Gauge({ name: 'hutch_sessions', help: 'Open sessions', registers: [this.registry] });
   readonly standbyVms = new Gauge({ name: 'hutch_standby_vms', help: 'Standby VMs ready to take, and being prepared', labelNames: ['state'], registers: [this.registry] });
   readonly memoryBudget = new Gauge({ name: 'hutch_memory_budget_mib', help: 'Host memory the broker lets its VMs reserve (--memory-budget-mib)', registers: [this.registry] });
-  readonly memoryReserved = new Gauge({ name: 'hutch_memory_reserved_mib', help: 'Memory budget reserved, by live VMs and by standby VMs (which give theirs up to a wake)', labelNames: ['holder'], registers: [this.registry] });
+  readonly memoryReserved = new Gauge({ name: 'hutch_memory_reserved_mib', help: 'Memory budget reserved, by live VMs, by standby VMs (which give theirs up to a wake) and by running fast-path commands', labelNames: ['holder'], registers: [this.registry] });
   readonly slotDisk = new Gauge({ name: 'hutch_slot_disk_bytes', help: "Data dir disk held by snapshot slots, and the most they may take (--slot-disk-gib)", labelNames: ['state'], registers: [this.registry] });
   readonly watchedDirs = new Gauge({ name: 'hutch_watched_dirs', help: "Directories the broker's file watchers hold (inotify watches of its user), and the most it allows", labelNames: ['state'], registers: [this.registry] });
-  readonly admissionWaiting = new Gauge({ name: 'hutch_admission_waiting', help: 'Wakes and VM calls waiting for admission', labelNames: ['kind'], registers: [this.registry] });
+  readonly admissionWaiting = new Gauge({ name: 'hutch_admission_waiting', help: 'Wakes, VM calls and fast-path runs waiting for admission', labelNames: ['kind'], registers: [this.registry] });
   private readonly callFaults = new Histogram({ name: 'hutch_call_major_faults', help: 'Major page faults in the guest during a VM call', buckets: [0, 10, 100, 1000, 10_000, 100_000], registers: [this.registry] });
   private readonly callSwapRead = new Counter({ name: 'hutch_call_swap_read_bytes_total', help: 'Bytes VM calls read back from guest swap disks', registers: [this.registry] });
   private readonly callZswapIns = new Counter({ name: 'hutch_call_zswap_loads_total', help: 'Pages VM calls decompressed from guest zswap pools', registers: [this.registry] });

@@ -4,7 +4,7 @@ import { appendFileSync, chmodSync, existsSync, mkdirSync, mkdtempSync, symlinkS
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { FastPath } from '../../host-broker/src/fastpath/index.ts';
-import { gitConfigHazard, initRouter, routeCall } from '../../host-broker/src/router/index.ts';
+import { gitConfigHazard, initRouter, routeCall, type GitReach } from '../../host-broker/src/router/index.ts';
 import { MAX_CONFIG_BYTES, MAX_ENTRIES, programKey } from '../../host-broker/src/router/git-config.ts';
 import { startBroker, type TestBroker } from '../helpers/broker.ts';
 
@@ -58,7 +58,7 @@ describe('router: env, forced routes and repository configuration', () => {
   it('sends git to the VM where the repository names a program, and keeps it on the fast path otherwise', async () => {
     const ws = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
     repo(ws, '');
-    const hazard = (o: { nested: boolean }) => gitConfigHazard(ws, o);
+    const hazard = (r: GitReach) => gitConfigHazard(ws, r);
     expect(await routeCall({ command: 'git status', gitHazard: hazard })).toMatchObject({ route: 'fastpath' });
     writeFileSync(join(ws, '.git', 'config'), '[core]\n\trepositoryformatversion = 0\n\tfsmonitor = /work/mon.sh\n');
     expect(await routeCall({ command: 'git status', gitHazard: hazard })).toMatchObject({ route: 'vm', code: 'git_config', reason: expect.stringMatching(/core\.fsmonitor/) });
@@ -67,13 +67,13 @@ describe('router: env, forced routes and repository configuration', () => {
     // A nested repository counts when the command changes directory.
     const ws2 = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
     repo(join(ws2, 'sub'), '[diff]\n\texternal = /work/sub/d.sh\n');
-    expect(await routeCall({ command: 'git status', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'fastpath' });
-    expect(await routeCall({ command: 'cd sub && git diff', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'vm', code: 'git_config' });
-    expect(await routeCall({ command: 'git -C sub diff', gitHazard: (o) => gitConfigHazard(ws2, o) })).toMatchObject({ route: 'vm', code: 'git_config' });
+    expect(await routeCall({ command: 'git status', gitHazard: (r) => gitConfigHazard(ws2, r) })).toMatchObject({ route: 'fastpath' });
+    expect(await routeCall({ command: 'cd sub && git diff', gitHazard: (r) => gitConfigHazard(ws2, r) })).toMatchObject({ route: 'vm', code: 'git_config' });
+    expect(await routeCall({ command: 'git -C sub diff', gitHazard: (r) => gitConfigHazard(ws2, r) })).toMatchObject({ route: 'vm', code: 'git_config' });
   });
 
   it('reads a tenant-sized repository within bounds, and never through a symlink', async () => {
-    const nested = (ws: string, command = 'cd sub && git status') => routeCall({ command, gitHazard: (o) => gitConfigHazard(ws, o) });
+    const nested = (ws: string, command = 'cd sub && git status') => routeCall({ command, gitHazard: (r) => gitConfigHazard(ws, r) });
     // A configuration too large to read is a reason for the VM, not a read of it on the loop.
     const big = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
     repo(big, '');
@@ -90,11 +90,15 @@ describe('router: env, forced routes and repository configuration', () => {
     mkdirSync(join(mods, '.git', 'modules', 'lib'), { recursive: true });
     writeFileSync(join(mods, '.git', 'modules', 'lib', 'config'), '[core]\n\tpager = ./p.sh\n');
     expect(await nested(mods, 'git status')).toMatchObject({ route: 'vm', reason: expect.stringMatching(/modules\/lib\/config sets core\.pager/) });
+    // Only the repositories git can reach are read: a big tree beside them costs nothing,
+    // a .git/modules past the entry budget is not walked to its end.
     const wide = mkdtempSync(join(tmpdir(), 'hutch-gitcfg-'));
     repo(join(wide, 'sub'), '');
     mkdirSync(join(wide, 'many'));
     for (let i = 0; i <= MAX_ENTRIES; i++) writeFileSync(join(wide, 'many', `f${i}`), '');
-    expect(await nested(wide, 'git status')).toMatchObject({ route: 'fastpath' }); // the root alone is cheap
+    expect(await nested(wide, 'git status')).toMatchObject({ route: 'fastpath' });
+    expect(await nested(wide)).toMatchObject({ route: 'fastpath' });
+    execFileSync('mv', [join(wide, 'many'), join(wide, 'sub', '.git', 'modules')]);
     expect(await nested(wide)).toMatchObject({ route: 'vm', reason: expect.stringMatching(/too many entries/) });
     // A directory that is a symlink out of the workspace is not followed: the repository
     // behind it is never read (inside the fast path's sandbox the link leads nowhere).
@@ -107,7 +111,7 @@ describe('router: env, forced routes and repository configuration', () => {
     expect(d.reason ?? '').not.toMatch(/fsmonitor/);
     symlinkSync(join(outside, '.git'), join(linked, 'real', '.git'));
     expect(await nested(linked, 'cd real && git status')).toMatchObject({ route: 'vm', reason: 'real/.git is a symlink' });
-  });
+  }, 180_000);
 
   describe('through a broker', () => {
     let b: TestBroker;

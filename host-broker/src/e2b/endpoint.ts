@@ -578,10 +578,10 @@ export class E2bEndpoint {
     throw new ConnectError('not_found', `no process ${JSON.stringify(sel.pid ?? sel.tag)}`);
   }
 
-  /** A file operation that changes the workspace: its usage is measured again afterwards. */
+  /** A file operation that changes the workspace (ordered against a fast-path git run): its usage is measured again afterwards. */
   private async changing<T>(s: Session, fn: () => Promise<T>): Promise<T> {
     try {
-      return await fn();
+      return await s.writing(fn);
     } finally {
       s.quota.stale();
     }

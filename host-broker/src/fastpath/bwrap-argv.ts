@@ -144,7 +144,9 @@ export function bwrapArgv(s: BwrapSpec): string[] {
   a.push('--dev', '/dev');
   a.push('--size', String(s.tmpBytes), '--tmpfs', '/tmp');
   a.push('--bind', s.workspace, SANDBOX_WORKSPACE, '--chdir', s.cwd);
+  // HOME: unsafe-local's persistent one, else an empty directory of the read-only root.
   if (s.home !== undefined) a.push('--bind', s.home, SANDBOX_HOME);
+  else a.push('--perms', '0555', '--dir', SANDBOX_HOME);
   // bwrap's root and /dev are writable tmpfs; read-only, so only /work and /tmp take writes
   // (the device nodes are their own bind mounts: /dev/null stays writable).
   a.push('--remount-ro', '/dev', '--remount-ro', '/');

@@ -1,7 +1,16 @@
 /**
  * Per-run cgroups (v2, or v1's pids + memory hierarchies) below the broker's own cgroup:
  *
- *   <own cgroup>/hutch-fastpath/slot-<broker pid>-<n>    pids.max, memory limit
+ *   <own cgroup>/hutch-fastpath/pool-<broker pid>-<n>                 all runs: pids.max, memory limit
+ *   <own cgroup>/hutch-fastpath/pool-<broker pid>-<n>/slot-<pid>-<m>  one run: pids.max, memory limit
+ *
+ * A slot bounds one run (maxProcesses, memoryBytes); the pool bounds every run of this fast
+ * path together (totalProcesses, totalMemoryBytes), so however many run at once they cannot
+ * take more of the host than that: past it the kernel reclaims and then OOM-kills inside
+ * the pool, never outside it. (On v1 a pool holds its children only with hierarchical
+ * accounting, `memory.use_hierarchy`; where that cannot be had, describe() says the total
+ * does not hold.) A pool is this limiter's alone, so several brokers or fast paths in one
+ * cgroup each keep their own total.
  *
  * A run enters its slot before bwrap starts, so the sandbox is inside before it can fork
  * (Node cannot spawn with CLONE_INTO_CGROUP): on v1 the spawn helper forks from inside it
@@ -26,8 +35,10 @@ interface Hierarchy {
   mountPoint: string;
   /** The broker's own cgroup (or the configured delegated one). */
   base: string;
-  /** base/hutch-fastpath: where slots are made. */
+  /** base/hutch-fastpath: shared by every fast path in this cgroup. */
   parent: string;
+  /** parent/pool-<pid>-<n>: this limiter's, where its slots are made. */
+  pool: string;
   controllers: Controller[];
 }
 
@@ -44,8 +55,9 @@ interface Counters {
 const PARENT_NAME = 'hutch-fastpath';
 const MAX_FREE_SLOTS = 16;
 const DRAIN_TIMEOUT_MS = 2000;
-/** Slot names are unique per process, not per limiter: tests and benches run several fast paths at once. */
+/** Slot and pool names are unique per process, not per limiter: tests and benches run several fast paths at once. */
 let slotCounter = 0;
+let poolCounter = 0;
 
 export type CgroupProbe = { limiter: CgroupLimiter } | { unavailable: string; error: HutchError };
 
@@ -65,9 +77,10 @@ export function probeCgroupLimiter(version: Version, opts: LimiterOptions): Cgro
     const available = readWords(join(base, 'cgroup.controllers'));
     const missing = (['pids', 'memory'] as const).filter((c) => !available.includes(c));
     if (missing.length > 0) return no(`${base} offers no ${missing.join(' or ')} controller (cgroup.controllers: "${available.join(' ')}")`);
-    return { limiter: new CgroupLimiter(version, [{ mountPoint: mount.mountPoint, base, parent: join(base, PARENT_NAME), controllers: ['pids', 'memory'] }], opts) };
+    return { limiter: new CgroupLimiter(version, [hierarchy(mount.mountPoint, base, ['pids', 'memory'], poolName())], opts) };
   }
   const hierarchies: Hierarchy[] = [];
+  const pool = poolName();
   for (const c of ['pids', 'memory'] as const) {
     const mount = layout.mounts.find((m) => m.fstype === 'cgroup' && m.controllers.includes(c));
     if (!mount) return no(`no v1 hierarchy with the ${c} controller is mounted`);
@@ -78,9 +91,18 @@ export function probeCgroupLimiter(version: Version, opts: LimiterOptions): Cgro
     }
     const base = ownDir(layout, mount);
     if (base === undefined) return no(`this process has no path in the ${c} hierarchy`);
-    hierarchies.push({ mountPoint: mount.mountPoint, base, parent: join(base, PARENT_NAME), controllers: [c] });
+    hierarchies.push(hierarchy(mount.mountPoint, base, [c], pool));
   }
   return { limiter: new CgroupLimiter(version, hierarchies, opts) };
+}
+
+function poolName(): string {
+  return `pool-${process.pid}-${poolCounter++}`;
+}
+
+function hierarchy(mountPoint: string, base: string, controllers: Controller[], pool: string): Hierarchy {
+  const parent = join(base, PARENT_NAME);
+  return { mountPoint, base, parent, pool: join(parent, pool), controllers };
 }
 
 export class CgroupLimiter implements Limiter {
@@ -88,6 +110,7 @@ export class CgroupLimiter implements Limiter {
   private readonly busy = new Set<Slot>();
   private closed = false;
   private notes: string[] = [];
+  private totalHolds = false;
 
   constructor(
     readonly version: Version,
@@ -95,24 +118,56 @@ export class CgroupLimiter implements Limiter {
     private readonly opts: LimiterOptions,
   ) {}
 
-  /** Makes the parents (enabling v2 controllers on the way), sweeps slots of dead brokers, proves one slot works. */
+  /** Makes the parents and the pool (enabling v2 controllers on the way), sweeps what dead brokers left, proves one slot works. */
   async init(notes: string[]): Promise<void> {
     this.notes = notes;
     for (const h of this.hierarchies) {
       if (this.version === 'cgroup-v2') enableControllers(h.base, h.controllers);
-      this.ensureParent(h);
+      this.ensurePool(h);
       this.sweepStale(h.parent);
     }
+    this.totalHolds = this.poolHoldsChildren();
+    if (!this.totalHolds) this.notes.push(`${this.version}: the pool's memory.use_hierarchy is off and cannot be set, so the total memory of all runs is not bounded by the kernel`);
     this.free.push(this.createSlot());
   }
 
   /**
-   * The shared parent may vanish under us: another broker (or test process) in the same
-   * cgroup removes it when it closes and finds it empty. Made again before each new slot.
+   * The shared parent may vanish under us before our pool exists in it (another broker in
+   * the same cgroup removes it when it closes and finds it empty); made again, with the
+   * pool and its totals, before each new slot.
    */
-  private ensureParent(h: Hierarchy): void {
+  private ensurePool(h: Hierarchy): void {
     mkdirSync(h.parent, { recursive: true });
     if (this.version === 'cgroup-v2') enableControllers(h.parent, h.controllers);
+    if (existsSync(h.pool)) return;
+    mkdirSync(h.pool);
+    if (this.version === 'cgroup-v2') enableControllers(h.pool, h.controllers);
+    const { totalProcesses, totalMemoryBytes } = this.opts;
+    const dir = (c: Controller) => (h.controllers.includes(c) ? h.pool : undefined);
+    const pids = dir('pids');
+    if (pids) writeFileSync(join(pids, 'pids.max'), String(totalProcesses));
+    const memory = dir('memory');
+    if (!memory) return;
+    if (this.version === 'cgroup-v2') {
+      writeFileSync(join(memory, 'memory.max'), String(totalMemoryBytes));
+      tryWriteFile(join(memory, 'memory.swap.max'), '0');
+    } else {
+      // Before any child exists: only then may hierarchical accounting be switched on.
+      tryWriteFile(join(memory, 'memory.use_hierarchy'), '1');
+      writeFileSync(join(memory, 'memory.limit_in_bytes'), String(totalMemoryBytes));
+      tryWriteFile(join(memory, 'memory.memsw.limit_in_bytes'), String(totalMemoryBytes));
+    }
+  }
+
+  /** v1: whether the pool's limit covers its slots (v2 always does). */
+  private poolHoldsChildren(): boolean {
+    if (this.version === 'cgroup-v2') return true;
+    const h = this.hierarchies.find((x) => x.controllers.includes('memory'));
+    try {
+      return h !== undefined && readFileSync(join(h.pool, 'memory.use_hierarchy'), 'utf8').trim() === '1';
+    } catch {
+      return false;
+    }
   }
 
   describe(): LimitDescription {
@@ -120,9 +175,12 @@ export class CgroupLimiter implements Limiter {
       mechanism: this.version,
       maxProcesses: this.opts.maxProcesses,
       memoryBytes: this.opts.memoryBytes,
+      totalProcesses: this.opts.totalProcesses,
+      totalMemoryBytes: this.opts.totalMemoryBytes,
       processLimitEnforced: true,
       memoryScope: 'sandbox',
-      cgroupParents: this.hierarchies.map((h) => h.parent),
+      totalEnforced: this.totalHolds,
+      cgroupParents: this.hierarchies.map((h) => h.pool),
       notes: this.notes,
     };
   }
@@ -153,10 +211,12 @@ export class CgroupLimiter implements Limiter {
     this.closed = true;
     for (const slot of this.free.splice(0)) this.destroy(slot);
     for (const h of this.hierarchies) {
-      try {
-        rmdirSync(h.parent);
-      } catch {
-        // another broker in the same cgroup still has slots there, or busy slots remain: left for them
+      for (const dir of [h.pool, h.parent]) {
+        try {
+          rmdirSync(dir);
+        } catch {
+          // busy slots remain, or another broker in the same cgroup still has its pool there: left for them
+        }
       }
     }
   }
@@ -185,7 +245,7 @@ export class CgroupLimiter implements Limiter {
 
   private createSlot(): Slot {
     const name = `slot-${process.pid}-${slotCounter++}`;
-    const slot: Slot = { name, dirs: this.hierarchies.map((h) => ({ dir: join(h.parent, name), controllers: h.controllers })) };
+    const slot: Slot = { name, dirs: this.hierarchies.map((h) => ({ dir: join(h.pool, name), controllers: h.controllers })) };
     const made: Slot = { name, dirs: [] };
     try {
       for (const d of slot.dirs) {
@@ -193,7 +253,7 @@ export class CgroupLimiter implements Limiter {
           mkdirSync(d.dir);
         } catch (err) {
           if ((err as NodeJS.ErrnoException).code !== 'ENOENT') throw err;
-          for (const h of this.hierarchies) this.ensureParent(h);
+          for (const h of this.hierarchies) this.ensurePool(h);
           mkdirSync(d.dir);
         }
         made.dirs.push(d); // on failure only what this call made is removed
@@ -278,24 +338,27 @@ export class CgroupLimiter implements Limiter {
     };
   }
 
+  /** Pools (and slots, as earlier brokers made them) of brokers that are gone: their processes killed, their cgroups removed. */
   private sweepStale(parent: string): void {
     for (const name of readdirSync(parent)) {
-      const m = /^slot-(\d+)-\d+$/.exec(name);
-      if (!m || Number(m[1]) === process.pid || pidAlive(Number(m[1]))) continue;
+      const m = /^(slot|pool)-(\d+)-\d+$/.exec(name);
+      if (!m || Number(m[2]) === process.pid || pidAlive(Number(m[2]))) continue;
       const dir = join(parent, name);
-      const stale: Slot = { name, dirs: [{ dir, controllers: [] }] };
-      for (const pid of this.pids(stale)) {
-        try {
-          process.kill(pid, 'SIGKILL');
-        } catch {
-          // gone
+      const dirs = m[1] === 'pool' ? [...readdirSync(dir).filter((n) => n.startsWith('slot-')).map((n) => join(dir, n)), dir] : [dir];
+      for (const d of dirs) {
+        for (const pid of this.pids({ name, dirs: [{ dir: d, controllers: [] }] })) {
+          try {
+            process.kill(pid, 'SIGKILL');
+          } catch {
+            // gone
+          }
         }
-      }
-      try {
-        rmdirSync(dir);
-        this.opts.log.info('fastpath.cgroup.swept', { dir });
-      } catch (err) {
-        this.opts.log.warn('fastpath.cgroup.sweep_failed', { dir, err });
+        try {
+          rmdirSync(d);
+          this.opts.log.info('fastpath.cgroup.swept', { dir: d });
+        } catch (err) {
+          this.opts.log.warn('fastpath.cgroup.sweep_failed', { dir: d, err });
+        }
       }
     }
   }
@@ -311,14 +374,7 @@ export class CgroupLimiter implements Limiter {
   }
 
   private tryWrite(slot: Slot, controller: Controller, name: string, value: string): boolean {
-    const path = this.file(slot, controller, name);
-    if (!existsSync(path)) return false;
-    try {
-      writeFileSync(path, value);
-      return true;
-    } catch {
-      return false;
-    }
+    return tryWriteFile(this.file(slot, controller, name), value);
   }
 
   private readNumber(slot: Slot, controller: Controller, name: string): number | null {
@@ -328,6 +384,17 @@ export class CgroupLimiter implements Limiter {
     } catch {
       return null;
     }
+  }
+}
+
+/** Writes a control file that this kernel may not have (swap accounting off, say); false when it could not. */
+function tryWriteFile(path: string, value: string): boolean {
+  if (!existsSync(path)) return false;
+  try {
+    writeFileSync(path, value);
+    return true;
+  } catch {
+    return false;
   }
 }
 

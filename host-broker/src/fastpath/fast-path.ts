@@ -8,6 +8,7 @@
  *   fp.describe();                                  // what is enforced, and how
  */
 import { statSync } from 'node:fs';
+import { availableParallelism } from 'node:os';
 import { posix } from 'node:path';
 import { createLogger, type Logger } from '../../../guest-agent/src/log.ts';
 import { runProcess, type RunResult } from '../../../guest-agent/src/process/run-process.ts';
@@ -55,6 +56,12 @@ export interface FastPathOptions {
   maxProcesses?: number;
   /** Default 512 MiB. */
   memoryBytes?: number;
+  /**
+   * Runs the broker admits at once (its admission holds them to it; default two per CPU,
+   * at least 4): with the limits above it makes the pool's totals, which the kernel holds
+   * every run of this fast path to together, admitted or not.
+   */
+  maxConcurrentRuns?: number;
   /** Size cap of the private /tmp (its pages also count against memoryBytes). Default 256 MiB. */
   tmpBytes?: number;
   defaultTimeoutMs?: number;
@@ -86,7 +93,12 @@ export interface FastPathDescription {
   defaults: { timeoutMs: number; maxOutputBytes: number };
 }
 
-const IDENTITY: SandboxIdentity = { uid: 1000, gid: 1000, user: 'user', home: '/tmp' };
+/**
+ * HOME is an empty directory nothing can write to (the root is read-only): no tool finds a
+ * configuration a command planted there. It was /tmp, where a command could write the
+ * `.gitconfig` its own `git diff` then read (issue 38).
+ */
+const IDENTITY: SandboxIdentity = { uid: 1000, gid: 1000, user: 'user', home: SANDBOX_HOME };
 const BASE_ENV: Record<string, string> = {
   PATH: '/usr/local/bin:/usr/bin:/bin',
   HOME: IDENTITY.home,
@@ -102,27 +114,45 @@ const BASE_ENV: Record<string, string> = {
   GIT_TERMINAL_PROMPT: '0',
 };
 /**
- * git in a fast-path run cannot start programs through the keys that can be pinned from
- * outside (command-line scope outranks the repository's config): no fsmonitor, no hooks,
- * no pager, no signature checks, and no optional index write (which would also make
- * `git status` a writer). Keys with repository-chosen names (textconv, filters, diff
- * drivers, diff.external) cannot be pinned: the router sends such repositories to the VM
- * (router/git-config.ts). Not applied to unsafe-local calls (`home`), which stand for the VM.
+ * git in a fast-path run reads no system or global configuration (so nothing in HOME,
+ * XDG_CONFIG_HOME or /tmp counts) and no system attributes, and every key with a fixed
+ * name that starts a program is pinned from the command line's scope, which outranks the
+ * repository's: no fsmonitor, hooks, pager, editor, askpass, ssh, gpg or credential helper;
+ * no transport at all (a partial clone's lazy fetch), no submodule opened for a log or diff,
+ * no submodule summary, no implicit bare repository (a workspace that is one is the
+ * router's to see), and no optional index write (which would also make `git status` a
+ * writer). Child gits (submodules) inherit all of it. Keys with repository-chosen names
+ * (textconv, filters, diff drivers) and diff.external (an empty value breaks `git diff`)
+ * cannot be pinned: the router reads every configuration git can reach and sends a
+ * repository that names a program to the VM (router/git-config.ts). Not applied to
+ * unsafe-local calls (`home`), which stand for the VM.
  */
+const GIT_PINNED_KEYS: Array<[string, string]> = [
+  ['core.fsmonitor', 'false'],
+  ['core.hooksPath', '/dev/null'],
+  ['core.pager', 'cat'],
+  ['core.editor', 'false'],
+  ['sequence.editor', 'false'],
+  ['core.askPass', 'false'],
+  ['core.sshCommand', 'false'],
+  ['credential.helper', ''],
+  ['log.showSignature', 'false'],
+  ['gpg.program', 'false'],
+  ['gpg.openpgp.program', 'false'],
+  ['gpg.x509.program', 'false'],
+  ['gpg.ssh.program', 'false'],
+  ['protocol.allow', 'never'],
+  ['diff.submodule', 'short'],
+  ['status.submoduleSummary', 'false'],
+  ['safe.bareRepository', 'explicit'],
+];
 const GIT_PINNED: Record<string, string> = {
   GIT_CONFIG_NOSYSTEM: '1',
+  GIT_CONFIG_GLOBAL: '/dev/null',
+  GIT_ATTR_NOSYSTEM: '1',
   GIT_OPTIONAL_LOCKS: '0',
-  GIT_CONFIG_COUNT: '5',
-  GIT_CONFIG_KEY_0: 'core.fsmonitor',
-  GIT_CONFIG_VALUE_0: 'false',
-  GIT_CONFIG_KEY_1: 'core.hooksPath',
-  GIT_CONFIG_VALUE_1: '/dev/null',
-  GIT_CONFIG_KEY_2: 'core.pager',
-  GIT_CONFIG_VALUE_2: 'cat',
-  GIT_CONFIG_KEY_3: 'log.showSignature',
-  GIT_CONFIG_VALUE_3: 'false',
-  GIT_CONFIG_KEY_4: 'core.sshCommand',
-  GIT_CONFIG_VALUE_4: 'false',
+  GIT_CONFIG_COUNT: String(GIT_PINNED_KEYS.length),
+  ...Object.fromEntries(GIT_PINNED_KEYS.flatMap(([k, v], i) => [[`GIT_CONFIG_KEY_${i}`, k], [`GIT_CONFIG_VALUE_${i}`, v]])),
 };
 const SHELL = '/bin/sh';
 const MAX_COMMAND_BYTES = 1024 * 1024;
@@ -132,6 +162,8 @@ export class FastPath {
   private closed = false;
 
   private constructor(
+    /** What one run may hold, and how many the broker should admit at once (the pool holds their total). */
+    readonly runLimits: { memoryBytes: number; maxConcurrentRuns: number },
     private readonly bwrap: { path: string; version: string },
     private readonly layout: HostLayout,
     private readonly etc: SandboxEtc,
@@ -154,9 +186,14 @@ export class FastPath {
     let etc: SandboxEtc | undefined;
     try {
       etc = createSandboxEtc(IDENTITY);
+      const maxProcesses = options.maxProcesses ?? 64;
+      const memoryBytes = options.memoryBytes ?? 512 * 1024 * 1024;
+      const maxConcurrentRuns = options.maxConcurrentRuns ?? Math.max(4, 2 * availableParallelism());
       const limiter = await createLimiter({
-        maxProcesses: options.maxProcesses ?? 64,
-        memoryBytes: options.memoryBytes ?? 512 * 1024 * 1024,
+        maxProcesses,
+        memoryBytes,
+        totalProcesses: maxConcurrentRuns * maxProcesses,
+        totalMemoryBytes: maxConcurrentRuns * memoryBytes,
         mechanism: options.limitMechanism,
         cgroupParent: options.cgroupParent,
         shell: SHELL,
@@ -164,6 +201,7 @@ export class FastPath {
         log,
       });
       const fp = new FastPath(
+        { memoryBytes, maxConcurrentRuns },
         { path: bwrapPath, version },
         probeHostLayout(),
         etc,

@@ -13,16 +13,24 @@ export type LimitMechanism = 'cgroup-v2' | 'cgroup-v1' | 'rlimit';
 export interface LimitSettings {
   /** Processes (and threads) the whole sandbox may hold at once, bwrap's own included. */
   maxProcesses: number;
-  /** Memory of the whole sandbox (cgroups) or address space per process (rlimit). */
+  /** Memory of the whole sandbox (cgroups) or address space and data per process (rlimit). */
   memoryBytes: number;
 }
 
-export interface LimitDescription extends LimitSettings {
+/** What every run of one fast path together may hold (the pool cgroup above the runs' own). */
+export interface LimitTotals {
+  totalProcesses: number;
+  totalMemoryBytes: number;
+}
+
+export interface LimitDescription extends LimitSettings, LimitTotals {
   mechanism: LimitMechanism;
   /** Whether the process limit really holds for the sandbox (see rlimit-limiter.ts). */
   processLimitEnforced: boolean;
   memoryScope: 'sandbox' | 'per-process address space';
-  /** Where per-run cgroups are made. */
+  /** Whether the kernel holds all runs together to the totals (a pool cgroup); otherwise only the broker's admission does. */
+  totalEnforced: boolean;
+  /** Where per-run cgroups are made (this fast path's pool). */
   cgroupParents: string[];
   /** Why the mechanisms before this one were not used. */
   notes: string[];
@@ -62,7 +70,7 @@ export interface Limiter {
   close(): Promise<void>;
 }
 
-export interface LimiterOptions extends LimitSettings {
+export interface LimiterOptions extends LimitSettings, LimitTotals {
   /** Force a mechanism (tests, hosts where detection guesses wrong). */
   mechanism?: LimitMechanism | undefined;
   /** A delegated cgroup directory to create run cgroups in (v2), instead of the broker's own. */

@@ -7,7 +7,9 @@
  *   here: with `ulimit -p 5`, 12 background processes started inside the sandbox; the same
  *   sandbox started by a non-root host uid was held to the limit. So with a root broker the
  *   process limit does not hold.
- * - RLIMIT_AS bounds each process's address space, not the sandbox's total memory.
+ * - RLIMIT_AS and RLIMIT_DATA bound each process's address space and heap, not the
+ *   sandbox's total memory, and nothing holds all runs together: the broker's admission
+ *   (how many run at once, each counted at memoryBytes) is the only total here.
  */
 import type { LimitDescription, Limiter, LimiterOptions, RunLimitReport, RunSlot } from './limits.ts';
 
@@ -28,8 +30,11 @@ export class RlimitLimiter implements Limiter {
       mechanism: 'rlimit',
       maxProcesses: this.opts.maxProcesses,
       memoryBytes: this.opts.memoryBytes,
+      totalProcesses: this.opts.totalProcesses,
+      totalMemoryBytes: this.opts.totalMemoryBytes,
       processLimitEnforced: this.nprocHolds,
       memoryScope: 'per-process address space',
+      totalEnforced: false,
       cgroupParents: [],
       notes,
     };
@@ -39,7 +44,7 @@ export class RlimitLimiter implements Limiter {
     const { maxProcesses, memoryBytes } = this.opts;
     const report: RunLimitReport = { mechanism: 'rlimit', maxProcesses, memoryBytes, oomKilled: false, processLimitHit: false, peakMemoryBytes: null };
     return {
-      wrap: (argv) => [this.opts.shell, '-c', `ulimit -p ${maxProcesses} && ulimit -v ${Math.ceil(memoryBytes / 1024)} && exec "$@"`, 'hutch-enter', ...argv],
+      wrap: (argv) => [this.opts.shell, '-c', `ulimit -p ${maxProcesses} && ulimit -v ${Math.ceil(memoryBytes / 1024)} && ulimit -d ${Math.ceil(memoryBytes / 1024)} && exec "$@"`, 'hutch-enter', ...argv],
       kill: () => undefined, // nothing beyond bwrap's own teardown (pid namespace, --die-with-parent)
       signal: () => false, // without a cgroup the sandbox's processes cannot be found from here
       release: async () => report,

@@ -19,6 +19,11 @@ export interface LifecycleOptions {
   diskMiBps?: number;
   /** The data dir's disk slots may take (none: unbounded). */
   slotDisk?: SlotDiskBudget;
+  /**
+   * Runs a write into the host workspace made outside a call (a release's pull of what the
+   * guest wrote since), as the session orders those against a fast-path git run.
+   */
+  writing?: <T>(fn: () => Promise<T>) => Promise<T>;
 }
 
 export type { ReleaseDecision } from './release-policy.ts';
@@ -301,7 +306,7 @@ export class SandboxLifecycle {
     let record: ReleaseRecord;
     let keep = false;
     try {
-      const st = await sb.state();
+      const st = this.opts.writing ? await this.opts.writing(() => sb.state()) : await sb.state();
       const choice = chooseRelease(this.opts.policy, {
         dirty: st.dirty,
         dirtyPaths: st.dirtyPaths,

@@ -9,15 +9,19 @@
  *   fail, so a deeper directory is never assumed);
  * - /tmp files this command wrote. The fast path's /tmp is private and empty, the VM's
  *   persists, so /tmp is fine only as scratch space: read only what this command wrote
- *   first, and read back everything it writes (else a later call in the VM would miss it).
+ *   first, and read back everything it writes (else a later call in the VM would miss it);
+ * - every directory the shell may be in (`cd` may fail, so each one adds to the set), from
+ *   which, with `git -C`, come the directories git may run in: the broker reads the
+ *   configuration of every repository git can find from each (git-config.ts). A command
+ *   that runs git and writes workspace files goes to the VM: it could write what git reads.
  */
-import { depthAfterCd, isWithin, placeOf, READ_DEVICES, WRITE_DEVICES } from './paths.ts';
+import { depthAfterCd, isWithin, placeOf, READ_DEVICES, WORKSPACE_MOUNT, WRITE_DEVICES } from './paths.ts';
 import { analyseFind } from './find.ts';
 import { clip } from './parser.ts';
 import { analyseGit } from './git.ts';
 import { analyseJqFilter } from './jq.ts';
 import { hasOption, scanArgs, usesOption, type ArgKind, type Scan } from './options.ts';
-import { ENV_ALLOWLIST, FOLLOWS_LINKS, RULES, type CommandRule } from './rules.ts';
+import { environmentRefusal, FOLLOWS_LINKS, RULES, type CommandRule } from './rules.ts';
 import { analyseSed } from './sed.ts';
 import type { Assignment, Redirect, Script, SimpleCommand, Step, TestStep, Word } from './script.ts';
 import { expandWord, type Expanded } from './words.ts';
@@ -63,6 +67,8 @@ export interface Verdict {
   commands: string[];
   /** Paths the command may create, change or remove, as written. */
   writes: string[];
+  /** Workspace-relative directories ('' the root) git may run in, as written (`a/../b` kept: `..` is resolved on the files). */
+  gitDirs: string[];
 }
 
 type Access = 'read' | 'write' | 'modify';
@@ -83,10 +89,10 @@ export function classifyScript(script: Script, ctx: ClassifyContext): Verdict {
     checker.run(script.steps);
     const names = [...new Set(checker.commands)];
     const list = names.length > 0 ? names.map((n) => `\`${n}\``).join(', ') : 'redirections';
-    return { ok: true, code: 'fastpath', reason: `only reads or edits workspace files: ${list}`, commands: checker.commands, writes: checker.writes };
+    return { ok: true, code: 'fastpath', reason: `only reads or edits workspace files: ${list}`, commands: checker.commands, writes: checker.writes, gitDirs: [...checker.gitDirs] };
   } catch (err) {
     if (!(err instanceof Refusal)) throw err;
-    return { ok: false, code: err.code, reason: err.message, commands: checker.commands, writes: checker.writes };
+    return { ok: false, code: err.code, reason: err.message, commands: checker.commands, writes: checker.writes, gitDirs: [] };
   }
 }
 
@@ -94,14 +100,20 @@ const SHELL_VAR = /^[a-z_][a-z0-9_]*$/;
 // Permission bits only: setuid, setgid and sticky bits on host-owned files are refused.
 const CHMOD_MODE = /^(?:0?[0-7]{1,3}|[ugoa]*(?:[-+=](?:[rwxX]*|[ugo]))+(?:,[ugoa]*(?:[-+=](?:[rwxX]*|[ugo]))+)*)$/;
 const SET_OPTIONS = new Set(['pipefail', 'errexit', 'nounset', 'xtrace', 'verbose']);
+/** Directories the shell may be in that the classifier follows; past it, a later git goes to the VM. */
+const MAX_CWDS = 16;
 
 class Checker {
   private readonly vars = new Map<string, string>();
   private depth = 0;
   private readonly tmpWritten: string[] = [];
   private readonly tmpUnread = new Set<string>();
+  /** Every directory the shell may be in, workspace-relative as written; null past MAX_CWDS. */
+  private cwds: Set<string> | null = new Set(['']);
+  private wroteWorkspace = false;
   readonly commands: string[] = [];
   readonly writes: string[] = [];
+  readonly gitDirs = new Set<string>();
 
   constructor(private readonly ctx: ClassifyContext) {}
 
@@ -113,6 +125,9 @@ class Checker {
     }
     for (const path of this.tmpUnread) {
       throw new Refusal('tmp', `writes \`${path}\` but never reads it back, and a later call in the VM would not find it`);
+    }
+    if (this.gitDirs.size > 0 && this.wroteWorkspace) {
+      throw new Refusal('git_config', 'runs git and writes workspace files, which could be what git reads as its configuration');
     }
   }
 
@@ -168,23 +183,25 @@ class Checker {
 
   private assign(list: readonly Assignment[]): void {
     for (const a of list) {
-      const check = ENV_ALLOWLIST.get(a.name);
-      if (!check && !SHELL_VAR.test(a.name)) {
-        throw new Refusal('environment', `assigning \`${a.name}\` may change what later commands do`);
-      }
+      // A lowercase name is a shell variable (none of them is in the environment); any
+      // other may be, and then changes what later commands do, as a prefix would.
+      const exported = !SHELL_VAR.test(a.name);
+      if (exported && environmentRefusal(a.name)) throw new Refusal('environment', `assigning \`${a.name}\` may change what later commands do`);
       const value = a.value ? this.expandOne(a.value, true).value : '';
-      const why = check?.(value);
-      if (why) throw new Refusal('environment', `\`${clip(a.source)}\`: ${why}`);
-      this.vars.set(a.name, a.append ? (this.vars.get(a.name) ?? '') + value : value);
+      const full = a.append ? (this.vars.get(a.name) ?? '') + value : value;
+      if (exported) this.environmentValue(a.name, full, a.source);
+      this.vars.set(a.name, full);
     }
   }
 
   private envPrefix(a: Assignment): void {
-    const check = ENV_ALLOWLIST.get(a.name);
-    if (!check) throw new Refusal('environment', `\`${a.name}=\` may change what the command does; only locale and display variables are allowed`);
-    const value = a.value ? this.expandOne(a.value, true).value : '';
-    const why = check(value);
-    if (why) throw new Refusal('environment', `\`${clip(a.source)}\`: ${why}`);
+    if (environmentRefusal(a.name)) throw new Refusal('environment', `\`${a.name}=\` may change what the command does; only locale and display variables are allowed`);
+    this.environmentValue(a.name, a.value ? this.expandOne(a.value, true).value : '', a.source);
+  }
+
+  private environmentValue(name: string, value: string, source: string): void {
+    const why = environmentRefusal(name, value);
+    if (why) throw new Refusal('environment', `\`${clip(source)}\`: ${'value' in why ? why.value : why.name}`);
   }
 
   // ---- arguments ------------------------------------------------------------------------
@@ -290,6 +307,9 @@ class Checker {
     const next = depthAfterCd(dir.value, this.depth);
     if (next === null) throw new Refusal('path', `\`cd ${dir.value}\` leaves the workspace`);
     this.depth = next;
+    if (!this.cwds) return;
+    for (const c of [...this.cwds]) this.cwds.add(joinDir(c, dir.value));
+    if (this.cwds.size > MAX_CWDS) this.cwds = null;
   }
 
   private testOperands(ops: readonly Expanded[], who: string): void {
@@ -318,6 +338,8 @@ class Checker {
       if (next === null || r.chdir.glob) throw new Refusal('path', `\`git -C ${r.chdir.value}\` leaves the workspace`);
       this.depth = next;
     }
+    if (!this.cwds) throw new Refusal('path', `changes directory in more ways than the router follows (over ${MAX_CWDS}) to find where git runs`);
+    for (const c of this.cwds) this.gitDirs.add(r.chdir ? joinDir(c, r.chdir.value) : c);
     try {
       for (const a of r.reads) this.argument(a.word, a.kind, `\`git ${r.subcommand}\``);
     } finally {
@@ -462,7 +484,10 @@ class Checker {
       case 'tmp':
         return this.tmp(place.path, w, access, who);
       case 'workspace':
-        if (access !== 'read') this.writes.push(w.value);
+        if (access !== 'read') {
+          this.writes.push(w.value);
+          this.wroteWorkspace = true;
+        }
         return;
     }
   }
@@ -505,3 +530,9 @@ class Checker {
   }
 }
 
+
+/** `dir` (as written to `cd` or `git -C`) from the workspace-relative `from`; an absolute one is inside /work (checked before). */
+function joinDir(from: string, dir: string): string {
+  if (dir.startsWith('/')) return dir.slice(WORKSPACE_MOUNT.length).replace(/^\/+/, '');
+  return from === '' ? dir : `${from}/${dir}`;
+}

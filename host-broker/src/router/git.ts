@@ -4,10 +4,11 @@
  * are data (git itself confines pathspecs to the repository, identically on both paths);
  * real file arguments (`diff --no-index`, `blame --contents`) are returned for path checks.
  *
- * What git may still do on its own: a repository's .git/config and .gitattributes can name
- * programs (diff.external, textconv, filters, core.fsmonitor). Those files live in the
- * workspace, so both paths see the same configuration and run the same /usr programs; see
- * the router's open questions.
+ * What git may still do on its own: a repository's configuration can name programs
+ * (diff.external, textconv, filters, core.fsmonitor); the broker reads every configuration
+ * git can reach from where it runs before a call goes to the fast path (git-config.ts), and
+ * the options here keep git from reaching further: no submodule opened for a log or diff of
+ * its commits (`--submodule=log|diff`), no signature checked (`%G` in a format runs gpg).
  */
 import { optionTable, scanArgs, hasOption, type ArgKind, type OptionTable } from './options.ts';
 import type { Expanded } from './words.ts';
@@ -121,6 +122,17 @@ export const GIT_SUBCOMMANDS: ReadonlyMap<string, Sub> = new Map<string, Sub>([
   ['grep', sub('-e:~ -f:< -A:= -B:= -C:= --after-context:= --before-context:= --context:= -m:= --max-count:= --max-depth:= --threads:= --color:? --exclude-standard', { '-O': PAGER })],
 ]);
 
+/** Options any subcommand may take whose values make git open other repositories or run gpg. */
+function reachRefusal(scan: ReturnType<typeof scanOk>): string | null {
+  for (const o of scan.options) {
+    const value = o.values[0]?.word.value;
+    // `--submodule` alone is `log`: both it and `diff` open the submodule's repository.
+    if (o.canonical === '--submodule' && value !== 'short') return `\`${o.name}${value === undefined ? '' : `=${value}`}\` opens submodule repositories`;
+    if ((o.canonical === '--format' || o.canonical === '--pretty') && value?.includes('%G')) return `\`${o.name}\` with \`%G\` checks signatures with gpg`;
+  }
+  return null;
+}
+
 export type GitAnalysis =
   | { ok: true; subcommand: string; reads: { word: Expanded; kind: ArgKind }[]; chdir: Expanded | null }
   | { ok: false; reason: string };
@@ -153,7 +165,7 @@ export function analyseGit(args: readonly Expanded[]): GitAnalysis {
   if (!spec) return { ok: false, reason: `\`git ${subName}\` is not a read-only git subcommand` };
   try {
     const scan = scanOk(args.slice(i + 1), spec.options, `git ${subName}`);
-    const why = spec.check?.(scan) ?? null;
+    const why = reachRefusal(scan) ?? spec.check?.(scan) ?? null;
     if (why) return { ok: false, reason: `\`git ${subName}\` ${why}` };
     const reads: { word: Expanded; kind: ArgKind }[] = [];
     for (const o of scan.options) for (const v of o.values) reads.push(v);

@@ -10,14 +10,15 @@
  *   routeCommand('git diff --stat');  // sync, tens of microseconds
  */
 import { classifyScript, type RouteCode, type Verdict } from './classify.ts';
+import type { GitReach } from './git-config.ts';
 import { probeHostBinaries } from './host.ts';
 import { isWithin } from './paths.ts';
 import { initShellParser, parseScript } from './parser.ts';
-import { FASTPATH_BINARIES } from './rules.ts';
+import { environmentRefusal, FASTPATH_BINARIES } from './rules.ts';
 import type { ProblemCode, Script } from './script.ts';
 
 export type { RouteCode } from './classify.ts';
-export { gitConfigHazard } from './git-config.ts';
+export { gitConfigHazard, type GitReach } from './git-config.ts';
 export { FASTPATH_BINARIES, FASTPATH_COMMANDS, RULES } from './rules.ts';
 
 export type Route = 'fastpath' | 'vm';
@@ -32,6 +33,8 @@ export interface RouteDecision {
   commands: string[];
   /** Paths the command may write (as written), when it goes to the fast path. */
   writes: string[];
+  /** Where the command runs git (workspace-relative directories), when it goes to the fast path. */
+  gitDirs: string[];
 }
 
 export interface RouteOptions {
@@ -90,14 +93,14 @@ export function routeCommand(command: string, opts: RouteOptions = {}): RouteDec
   if (command.length > MAX_ROUTED_LENGTH) {
     return vm('too_long', `the command is longer than ${MAX_ROUTED_LENGTH / 1024} KiB, too long to analyse`);
   }
-  if (command.trim() === '') return { route: 'fastpath', code: 'empty', reason: 'the command is empty', commands: [], writes: [] };
+  if (command.trim() === '') return { route: 'fastpath', code: 'empty', reason: 'the command is empty', commands: [], writes: [], gitDirs: [] };
   let script: Script;
   let verdict: Verdict;
   try {
     script = parseScript(command);
     const problem = script.problems[0];
     if (problem) return vm(PROBLEM_CODE[problem.code], problem.message);
-    if (script.steps.length === 0) return { route: 'fastpath', code: 'empty', reason: 'the command has only comments', commands: [], writes: [] };
+    if (script.steps.length === 0) return { route: 'fastpath', code: 'empty', reason: 'the command has only comments', commands: [], writes: [], gitDirs: [] };
     const changed = opts.homeChanged ?? false;
     verdict = classifyScript(script, {
       homeChanged: (paths) =>
@@ -115,30 +118,23 @@ export function routeCommand(command: string, opts: RouteOptions = {}): RouteDec
     reason: verdict.reason,
     commands: verdict.commands,
     writes: verdict.ok ? verdict.writes : [],
+    gitDirs: verdict.ok ? verdict.gitDirs : [],
   };
 }
 
-/**
- * Variables a caller may set on a fast-path call: they change formatting, never which
- * program runs or what it loads. Anything else (LD_PRELOAD, LD_LIBRARY_PATH, BASH_ENV, ENV,
- * PATH, GIT_*, PAGER, TMPDIR...) sends the call to the VM, where the environment is the
- * tenant's own business.
- */
-const SAFE_CALL_ENV = /^(LANG|LANGUAGE|LC_[A-Z]+|TZ|TERM|COLUMNS|LINES|NO_COLOR|FORCE_COLOR|CLICOLOR|CLICOLOR_FORCE)$/;
-
 export interface CallRouteRequest {
   command: string;
-  /** The call's environment: part of the decision. */
+  /** The call's environment: part of the decision, checked as inline assignments are. */
   env?: Readonly<Record<string, string>> | undefined;
   /** The caller's wish: `vm` is honoured; `fastpath` only where the router agrees. */
   forced?: Route | undefined;
   homeChanged?: RouteOptions['homeChanged'];
   /**
-   * Why git must not run on the fast path in this workspace (its configuration names a
-   * program), or null; asked only when the command runs git. `nested`: the command
-   * changes directory, so repositories below the root count too. See git-config.ts.
+   * Why git must not run on the fast path in this workspace (a repository it can reach from
+   * where it runs names a program), or null; asked only when the command runs git, with
+   * the directories it runs git in. See git-config.ts.
    */
-  gitHazard?: (opts: { nested: boolean }) => Promise<string | null>;
+  gitHazard?: (reach: GitReach) => Promise<string | null>;
   canRun?: RouteOptions['canRun'];
 }
 
@@ -148,18 +144,20 @@ export interface CallRouteRequest {
  */
 export async function routeCall(req: CallRouteRequest): Promise<RouteDecision> {
   if (req.forced === 'vm') return vm('forced', 'route forced to the VM by the caller');
-  const unsafeEnv = Object.keys(req.env ?? {}).filter((k) => !SAFE_CALL_ENV.test(k));
   const asked = req.forced === 'fastpath' ? ' (the caller asked for the fast path; only the VM can be forced)' : '';
-  if (unsafeEnv.length) return vm('call_env', `the call sets ${unsafeEnv.slice(0, 3).join(', ')} in its environment, which can change what runs${asked}`);
+  // The same check as an inline `NAME=value` (rules.ts ENV_ALLOWLIST), so both forms route alike.
+  for (const [name, value] of Object.entries(req.env ?? {})) {
+    const why = environmentRefusal(name, value);
+    if (why) return vm('call_env', `the call's environment sets ${name}, which can change what runs: ${'value' in why ? why.value : why.name}${asked}`);
+  }
   const d = routeCommand(req.command, {
     ...(req.homeChanged !== undefined ? { homeChanged: req.homeChanged } : {}),
     ...(req.canRun ? { canRun: req.canRun } : {}),
   });
   if (d.route !== 'fastpath') return asked ? { ...d, reason: d.reason + asked } : d;
-  if (d.commands.includes('git') && req.gitHazard) {
-    const nested = d.commands.includes('cd') || /\s-C\s/.test(req.command);
-    const why = await req.gitHazard({ nested });
-    if (why) return { route: 'vm', code: 'git_config', reason: why, commands: d.commands, writes: [] };
+  if (d.gitDirs.length > 0 && req.gitHazard) {
+    const why = await req.gitHazard({ dirs: d.gitDirs });
+    if (why) return { route: 'vm', code: 'git_config', reason: why, commands: d.commands, writes: [], gitDirs: [] };
   }
   return d;
 }
@@ -170,5 +168,5 @@ function stripHome(p: string): string {
 }
 
 function vm(code: RouteCode, reason: string): RouteDecision {
-  return { route: 'vm', code, reason, commands: [], writes: [] };
+  return { route: 'vm', code, reason, commands: [], writes: [], gitDirs: [] };
 }

@@ -180,18 +180,45 @@ export const RULES: ReadonlyMap<string, CommandRule> = new Map<string, CommandRu
 ]);
 
 /**
- * Environment prefixes (`LC_ALL=C sort`) that change only formatting. A value check returns
- * null when fine, or why not.
+ * The environment a fast-path command may be given, one decision whether it comes inline
+ * (`LC_ALL=C sort`, `TZ=UTC; date`) or in the call's `env`: only variables that change
+ * formatting, each with a value check, and those only where the value names no file. A
+ * locale or message catalog name with `/` is a path glibc and gettext load from (the
+ * tenant's own files, parsed on the host kernel: `LC_MESSAGES=/work/loc`,
+ * `LANGUAGE=../../work/loc`), a TZ beginning with `:` or `/`, or climbing with `..`, a
+ * zone file. Anything not listed (LD_*, GCONV_PATH, LOCPATH, NLSPATH, HOSTALIASES,
+ * MALLOC_*, GLIBC_TUNABLES, PATH, BASH_ENV, GIT_*...) sends the command to the VM, where
+ * the environment is the tenant's own business. A value check returns null when fine, or
+ * why not.
  */
+const LOCALE_VARIABLES = [
+  'LANG', 'LANGUAGE', 'LC_ALL', 'LC_CTYPE', 'LC_COLLATE', 'LC_MESSAGES', 'LC_NUMERIC', 'LC_TIME', 'LC_MONETARY',
+  'LC_PAPER', 'LC_NAME', 'LC_ADDRESS', 'LC_TELEPHONE', 'LC_MEASUREMENT', 'LC_IDENTIFICATION',
+];
+const noPath = (what: string) => (v: string) => (v.includes('/') ? `a ${what} with \`/\` is a path` : null);
+const onlyCat = (v: string) => (v === 'cat' || v === '' ? null : 'only `cat` is allowed as a pager');
+
 export const ENV_ALLOWLIST: ReadonlyMap<string, (value: string) => string | null> = new Map<string, (value: string) => string | null>([
-  ...['LC_ALL', 'LC_CTYPE', 'LC_COLLATE', 'LC_MESSAGES', 'LC_NUMERIC', 'LC_TIME', 'LANG', 'LANGUAGE'].map(
-    (n) => [n, (v: string) => (v.includes('/') ? 'a locale name with `/` is a path' : null)] as const,
-  ),
+  ...LOCALE_VARIABLES.map((n) => [n, noPath('locale name')] as const),
   ['TZ', (v: string) => (v.startsWith(':') || v.startsWith('/') || v.includes('..') ? 'a TZ file path' : null)],
-  ...['NO_COLOR', 'CLICOLOR', 'CLICOLOR_FORCE', 'COLUMNS', 'LINES', 'TERM', 'GREP_COLOR', 'GREP_COLORS'].map((n) => [n, () => null] as const),
-  ['GIT_PAGER', (v: string) => (v === 'cat' || v === '' ? null : 'only `cat` is allowed as a pager')],
-  ['PAGER', (v: string) => (v === 'cat' || v === '' ? null : 'only `cat` is allowed as a pager')],
+  // ncurses looks a terminal name up as a file below its terminfo directories.
+  ['TERM', noPath('terminal name')],
+  ...['NO_COLOR', 'FORCE_COLOR', 'CLICOLOR', 'CLICOLOR_FORCE', 'COLUMNS', 'LINES', 'GREP_COLOR', 'GREP_COLORS'].map((n) => [n, () => null] as const),
+  ['GIT_PAGER', onlyCat],
+  ['PAGER', onlyCat],
 ]);
+
+/**
+ * Why the variable `name=value` keeps a command off the fast path, or null: the one check
+ * for inline and call environments. Without a value, whether the name may be set at all
+ * (the classifier asks before it expands the value).
+ */
+export function environmentRefusal(name: string, value?: string): { name: string } | { value: string } | null {
+  const check = ENV_ALLOWLIST.get(name);
+  if (!check) return { name: 'only locale and display variables are allowed' };
+  const why = value === undefined ? null : check(value);
+  return why === null ? null : { value: why };
+}
 
 /** Every command the fast path may run, for the rootfs and fast-path owners to check against. */
 export const FASTPATH_COMMANDS: readonly string[] = [...RULES.keys()].sort();

@@ -20,6 +20,7 @@ import { agentFileTools } from '../tools/agent-file-tools.ts';
 import type { SandboxPolicy } from '../policy/sandbox-policy.ts';
 import { memoryStepsFor } from '../policy/memory-policy.ts';
 import { DEFAULT_QUOTA, WorkspaceQuota, type QuotaLimits } from './workspace-quota.ts';
+import { WorkspaceGate } from './workspace-gate.ts';
 import type { SlotDiskBudget } from '../lifecycle/slot-disk-budget.ts';
 import type { ByteBudget } from '../util/byte-budget.ts';
 
@@ -102,6 +103,7 @@ export class Session {
   private closed = false;
   private readonly closing = new AbortController();
   private readonly log: Logger;
+  private readonly gate = new WorkspaceGate();
 
   constructor(
     readonly meta: SessionMeta,
@@ -124,7 +126,7 @@ export class Session {
     // A pull the broker was killed in the middle of is finished (committed) or dropped (not) before anything reads the workspace.
     const recovered = recoverPullJournal(workspaceDir, stateDir);
     if (recovered.replayed || recovered.discarded) this.log.warn('sync.pull_recovered', { ...recovered, errors: recovered.errors.slice(0, 5) });
-    this.vm = new SandboxLifecycle(this.spec(), deps.backend, deps.admission, deps.metrics, this.log, { policy: deps.policy, ...(deps.slotDisk ? { slotDisk: deps.slotDisk } : {}) });
+    this.vm = new SandboxLifecycle(this.spec(), deps.backend, deps.admission, deps.metrics, this.log, { policy: deps.policy, ...(deps.slotDisk ? { slotDisk: deps.slotDisk } : {}), writing: (fn) => this.writing(fn) });
   }
 
   get id(): string {
@@ -264,13 +266,41 @@ export class Session {
     if (r.wrote !== undefined) this.vm.hostChanges.mark(r.wrote);
     return { route: 'inprocess', reason: 'file tools run in the broker on the host workspace', runMs: 0, result: r.result };
   }
+  /**
+   * A workspace write from outside the call queue (an upload's commit, an E2B file call, a
+   * release pull): it waits while a fast-path git runs (workspace-gate.ts says why).
+   */
+  writing<T>(fn: () => Promise<T>): Promise<T> {
+    return this.gate.run('write', fn);
+  }
+
   private async bash(a: ReturnType<typeof parseToolArgs<'bash'>>, sinks: CallSinks, routed: { route?: Route }): Promise<Dispatched> {
-    // A caller can force only the safer route: `fastpath` still goes through the router (router/index.ts routeCall).
-    const decision = sinks.stdin
-      ? { route: 'vm' as const, reason: 'stdin is streamed: only the VM takes a stream' }
-      : this.deps.policy.routing
-      ? await routeCall({ command: a.command, env: a.env, forced: a.route, homeChanged: this.vm.homeChanges(), gitHazard: (o) => gitConfigHazard(this.workspaceDir, o) })
-      : { route: 'vm' as const, reason: 'routing off: every call runs in the VM' };
+    // Held from the git check until a fast-path git run ends: nothing rewrites what was checked.
+    let gitHold: (() => void) | undefined;
+    try {
+      // A caller can force only the safer route: `fastpath` still goes through the router (router/index.ts routeCall).
+      const decision = sinks.stdin
+        ? { route: 'vm' as const, reason: 'stdin is streamed: only the VM takes a stream' }
+        : this.deps.policy.routing
+        ? await routeCall({
+            command: a.command,
+            env: a.env,
+            forced: a.route,
+            homeChanged: this.vm.homeChanges(),
+            gitHazard: async (reach) => {
+              gitHold = await this.gate.enter('git');
+              return gitConfigHazard(this.workspaceDir, reach);
+            },
+          })
+        : { route: 'vm' as const, reason: 'routing off: every call runs in the VM' };
+      if (decision.route !== 'fastpath') gitHold?.();
+      return await this.runBash(a, sinks, routed, decision);
+    } finally {
+      gitHold?.();
+    }
+  }
+
+  private async runBash(a: ReturnType<typeof parseToolArgs<'bash'>>, sinks: CallSinks, routed: { route?: Route }, decision: { route: Route; reason: string; writes?: string[] }): Promise<Dispatched> {
     routed.route = decision.route;
     const timeoutMs = a.timeout ?? (a.timeout_s !== undefined ? Math.round(a.timeout_s * 1000) : DEFAULT_BASH_TIMEOUT_MS);
     const ceiling = this.deps.maxCallTimeoutMs ?? MAX_CALL_TIMEOUT_MS;
@@ -315,7 +345,7 @@ export class Session {
     const onHost = decision.route === 'fastpath' || this.deps.backend.writesHostWorkspace === true;
     // A fast-path call the router proved read-only is not measured after (a walk of a big tree
     // after every `cat` would be most of its cost); RLIMIT_FSIZE and the watch still bound it.
-    const mayWrite = decision.route !== 'fastpath' || !('writes' in decision) || decision.writes.length > 0;
+    const mayWrite = decision.route !== 'fastpath' || decision.writes === undefined || decision.writes.length > 0;
     if (decision.route === 'vm') await this.quota.beforeVm();
     const before = await this.quota.current();
     const over = new AbortController();
@@ -325,9 +355,13 @@ export class Session {
       if (decision.route === 'fastpath') {
         const ceiling = this.deps.fastPathMaxMs ?? FASTPATH_MAX_RUN_MS;
         const capped = timeoutMs > ceiling;
+        // A run slot and its memory from the broker's one budget, fairly between principals, or `busy`.
+        const admitted = await this.deps.admission.admitFastPath(this.id, this.owner);
+        queuedMs = admitted.queuedMs;
         try {
           r = await this.deps.fastPath.run({ ...bounded, workspace: this.workspaceDir, ...(capped ? { timeoutMs: ceiling } : {}) });
         } finally {
+          admitted.release();
           // A writing command may have written anywhere in the workspace: the next VM call
           // scans it. One the router proved read-only (cat, grep, ls) changed nothing, and its
           // next VM call pushes without a scan of the tree.

@@ -20,5 +20,7 @@ export interface FastPathRunRequest {
 
 export interface FastPathRunner {
   run(req: FastPathRunRequest): Promise<ExecResult>;
+  /** What one run may hold and how many to admit at once; the broker's admission counts each run at `memoryBytes`. */
+  readonly runLimits?: { memoryBytes: number; maxConcurrentRuns: number };
   close?(): Promise<void>;
 }

@@ -59,6 +59,8 @@ export interface StreamSession {
   readonly files: { readonly ws: Workspace };
   readonly quota: WorkspaceQuota;
   readonly vm: { readonly hostChanges: { mark(path: string): void } };
+  /** Runs a workspace write made outside the session's calls (sessions/workspace-gate.ts). */
+  writing<T>(fn: () => Promise<T>): Promise<T>;
 }
 
 export type StreamLimits = Pick<WsLimits, 'maxStreamsPerConnection' | 'streamWindowBytes' | 'streamIdleMs' | 'maxStreamedFileBytes'>;
@@ -362,9 +364,12 @@ class Upload {
       const before = lstatAt(this.dirFd, this.name);
       if (before?.isDirectory()) throw new HutchError('is_a_directory', `${this.rel} is a directory`, { path: this.rel });
       this.quota.plan({ path: this.rel, dirs: 0, file: { bytes: this.received, replaces: before?.isFile() ? before : undefined } });
-      this.feed.end();
       try {
-        await this.written;
+        // The rename happens once the feed ends: inside the session's write gate.
+        await this.owner.session.writing(async () => {
+          this.feed.end();
+          await this.written;
+        });
       } catch (err) {
         this.quota.stale(); // planned, and not landed
         throw err;
