@@ -6,7 +6,8 @@ import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
 import { HARNESS_API_VERSION, OPS, type OpName, type SessionTelemetry, type TelemetryEvent, type TelemetryParams } from './api/harness-protocol.ts';
 import { Principals } from './api/principals.ts';
-import { WsServer, bearer, type OpContext, type WsLimits } from './api/ws-server.ts';
+import { DEFAULT_WS_LIMITS, WsServer, bearer, sendLimits, type OpContext, type WsLimits } from './api/ws-server.ts';
+import { SendBudget } from './api/send-budget.ts';
 import { loopbackUrl, McpHttpEndpoint } from './mcp/http.ts';
 import { E2bEndpoint } from './e2b/endpoint.ts';
 import type { VmBackend } from './backends/backend.ts';
@@ -139,6 +140,8 @@ export class Broker {
   /** The data dir's disk the sessions' snapshot slots may take. */
   readonly slotDisk: SlotDiskBudget;
   readonly fileBytes = new ByteBudget(1024 * 1024 * 1024, 256 * 1024 * 1024, 'in-process file reads');
+  /** Bytes made for clients and not yet taken by their sockets, per principal. */
+  readonly sendBudget: SendBudget;
   readonly policy: SandboxPolicy;
   private server: WsServer | undefined;
   /** Streamed uploads and downloads (made with the server, which holds their limits). */
@@ -188,6 +191,7 @@ export class Broker {
       opts.log,
       { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}), ...(opts.sessionSizes ? { sizes: validateSessionSizes(opts.sessionSizes) } : {}), ...(opts.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: opts.maxSessionsPerPrincipal } : {}) },
     );
+    this.sendBudget = new SendBudget(sendLimits({ ...DEFAULT_WS_LIMITS, ...opts.limits }));
     this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log });
     this.cluster = opts.cluster ? new ClusterMember(opts.cluster, this, this.principals, opts.log) : undefined;
   }
@@ -201,6 +205,7 @@ export class Broker {
       principals: this.principals,
       log: this.opts.log,
       ...(this.opts.limits ? { limits: this.opts.limits } : {}),
+      send: this.sendBudget,
       redactPaths: hostPaths(this.opts.dataDir),
       hello: {
         backend: this.opts.backend.name,

@@ -145,6 +145,8 @@ export class Session {
       const routed: { route?: Route } = {};
       let r: Dispatched;
       try {
+        // Cancelled while it queued (its client went away): it does not run.
+        signal.throwIfAborted();
         r = await this.dispatch(tool, rawArgs, { ...sinks, signal }, routed);
       } catch (err) {
         const code = err instanceof HutchError ? err.code : 'internal';
