@@ -140,7 +140,7 @@ export class Broker {
   /** The data dir's disk the sessions' snapshot slots may take. */
   readonly slotDisk: SlotDiskBudget;
   readonly fileBytes = new ByteBudget(1024 * 1024 * 1024, 256 * 1024 * 1024, 'in-process file reads');
-  /** Bytes made for clients and not yet taken by their sockets, per principal. */
+  /** Bytes made for clients and not yet taken by their sockets: the WebSocket API's and E2B streams', per principal together. */
   readonly sendBudget: SendBudget;
   readonly policy: SandboxPolicy;
   private server: WsServer | undefined;
@@ -192,7 +192,7 @@ export class Broker {
       { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}), ...(opts.sessionSizes ? { sizes: validateSessionSizes(opts.sessionSizes) } : {}), ...(opts.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: opts.maxSessionsPerPrincipal } : {}) },
     );
     this.sendBudget = new SendBudget(sendLimits({ ...DEFAULT_WS_LIMITS, ...opts.limits }));
-    this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log });
+    this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log, send: this.sendBudget });
     this.cluster = opts.cluster ? new ClusterMember(opts.cluster, this, this.principals, opts.log) : undefined;
   }
 

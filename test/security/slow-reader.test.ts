@@ -13,10 +13,11 @@ import { startBroker, type TestBroker } from '../helpers/broker.ts';
 
 /**
  * Issue 38 item 2: a client that does not read made the broker hold everything it asked
- * for: 35,288 `read` answers of 4 MB grew it by 1.3 GiB in 9 s. Now what is made for a
- * client and not taken waits within bounds per connection and per principal (the broker
- * stops reading that client and draining its commands), and a client that takes nothing
- * for the stall time is closed.
+ * for: 35,288 `read` answers of 4 MB grew it by 1.3 GiB in 9 s; an E2B command's output
+ * streamed to a client that never read, 1.6 GiB in 25 s. Now what is made for a client and
+ * not taken waits within bounds per connection and per principal (the broker stops reading
+ * that client and draining its commands), and a client that takes nothing for the stall
+ * time is closed.
  *
  * Each client here that "does not read" is real: a WebSocket whose socket is paused, or a
  * raw TCP socket that never reads. What the broker holds is read from the sockets it
@@ -220,6 +221,46 @@ describe('a client that does not read holds a bounded part of the broker, and is
     again.close();
   }, 120_000);
 
+  it('an E2B command streamed to a client that never reads: the broker holds its bound, drops the stream after the stall time, and the command is no longer drained into memory', async () => {
+    const base = b.url.replace(/^ws:/, 'http:');
+    const created = (await (await fetch(`${base}/e2b/api/sandboxes`, { method: 'POST', headers: { 'x-api-key': ALICE, 'content-type': 'application/json' }, body: '{}' })).json()) as { sandboxID: string; envdAccessToken: string };
+    const marker = `e2b-${randomBytes(6).toString('hex')}`;
+    const json = Buffer.from(JSON.stringify({ process: { cmd: '/bin/bash', args: ['-l', '-c', `cat /dev/zero ${marker}`] } }));
+    const envelope = Buffer.concat([Buffer.from([0, 0, 0, 0, 0]), json]);
+    envelope.writeUInt32BE(json.length, 1);
+    const sockets = watchSockets(b);
+    const other = otherTenant(bobSb);
+    const s = connect({ port: Number(new URL(base).port), host: '127.0.0.1' });
+    s.on('error', () => undefined);
+    await new Promise((r) => s.once('connect', r));
+    s.pause(); // reads nothing, ever
+    s.write(`POST /e2b/envd/process.Process/Start HTTP/1.1\r\nHost: x\r\ncontent-type: application/connect+json\r\ne2b-sandbox-id: ${created.sandboxID}\r\nx-access-token: ${created.envdAccessToken}\r\ncontent-length: ${envelope.length}\r\n\r\n`);
+    s.write(envelope);
+    await until('the command to run', () => running(marker) > 0, 20_000);
+    const t0 = Date.now();
+    let peak = 0;
+    const sample = setInterval(() => (peak = Math.max(peak, b.broker.sendBudget.queuedBytes('alice'))), 20);
+    const e2b = b.broker['e2b'] as unknown as { sandboxes: Map<string, { procs: Map<number, { watchers: Set<unknown> }> }> };
+    const watchers = () => [...(e2b.sandboxes.get(created.sandboxID)?.procs.values() ?? [])].reduce((n, p) => n + p.watchers.size, 0);
+    try {
+      // The stream to the client that does not read is dropped; the command goes on (as in envd).
+      await until('the stream to be dropped', () => watchers() === 0, STALL_MS + 20_000);
+    } finally {
+      clearInterval(sample);
+    }
+    expect(Date.now() - t0).toBeGreaterThanOrEqual(STALL_MS - 1000);
+    expect(running(marker)).toBeGreaterThan(0);
+    expect(sockets.max).toBeLessThanOrEqual(CONNECTION + MiB);
+    expect(peak).toBeLessThanOrEqual(CONNECTION + MiB);
+    const { reads, failures } = await other.stop();
+    expect([failures, reads > 5]).toEqual([0, true]);
+    s.destroy();
+    sockets.stop();
+    // Killing the sandbox ends the command.
+    expect((await fetch(`${base}/e2b/api/sandboxes/${created.sandboxID}`, { method: 'DELETE', headers: { 'x-api-key': ALICE } })).status).toBe(204);
+    await until('the command to be killed', () => running(marker) === 0, 20_000);
+    expect(b.broker.sendBudget.queuedBytes()).toBe(0);
+  }, 120_000);
 });
 
 describe('a VM call streamed to a client that does not read', { tags: ['vm'] }, () => {
