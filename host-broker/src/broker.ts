@@ -22,6 +22,7 @@ import { availableParallelism, totalmem } from 'node:os';
 import { DEFAULT_POLICY, type SandboxPolicy } from './policy/sandbox-policy.ts';
 import { ClusterMember, drainingError, type ClusterOptions } from './catalog/member.ts';
 import { validateSessionSizes, type SessionSizes } from './sessions/session-sizes.ts';
+import { MAX_OUTPUT_BYTES } from './sessions/session.ts';
 import { ByteBudget } from './util/byte-budget.ts';
 import { defaultSlotDisk, SlotDiskBudget, type SlotDiskOptions } from './lifecycle/slot-disk-budget.ts';
 
@@ -212,7 +213,7 @@ export class Broker {
         ...(this.opts.backend.accel ? { accel: this.opts.backend.accel } : {}),
         isolation: this.opts.backend.isolation,
         policy: { ...(this.opts.policyLevel ? { level: this.opts.policyLevel } : {}), idleMs: this.policy.idleMs, routing: this.policy.routing, idlePolicy: this.policy.idlePolicy },
-        limits: { ...(this.opts.maxFileBytes ? { maxFileBytes: this.opts.maxFileBytes } : {}) },
+        limits: { ...(this.opts.maxFileBytes ? { maxFileBytes: this.opts.maxFileBytes } : {}), maxOutputBytes: MAX_OUTPUT_BYTES },
         versions: { api: HARNESS_API_VERSION, broker: BROKER_VERSION, node: process.versions.node },
       },
       handle: (op, p, ctx) => this.handle(op, p, ctx),

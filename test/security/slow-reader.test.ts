@@ -9,15 +9,17 @@ import WebSocket from 'ws';
 import { pack } from 'msgpackr';
 import { Hutch, type Sandbox } from '../../host-broker/src/sdk/index.ts';
 import { OVERFLOW_FACTOR } from '../../host-broker/src/api/send-budget.ts';
+import { MAX_OUTPUT_BYTES } from '../../host-broker/src/sessions/session.ts';
 import { startBroker, type TestBroker } from '../helpers/broker.ts';
 
 /**
  * Issue 38 item 2: a client that does not read made the broker hold everything it asked
- * for: 35,288 `read` answers of 4 MB grew it by 1.3 GiB in 9 s; an E2B command's output
- * streamed to a client that never read, 1.6 GiB in 25 s. Now what is made for a client and
- * not taken waits within bounds per connection and per principal (the broker stops reading
- * that client and draining its commands), and a client that takes nothing for the stall
- * time is closed.
+ * for: 35,288 `read` answers of 4 MB grew it by 1.3 GiB in 9 s; 1.2 GB of output asked whole
+ * (`maxOutputBytes: 4e9`) took it to 1.8 GiB and held /healthz 4.7 s; an E2B command's
+ * output streamed to a client that never read, 1.6 GiB in 25 s. Now what is made for a
+ * client and not taken waits within bounds per connection and per principal (the broker
+ * stops reading that client and draining its commands), a client that takes nothing for
+ * the stall time is closed, and a result keeps at most MAX_OUTPUT_BYTES per stream.
  *
  * Each client here that "does not read" is real: a WebSocket whose socket is paused, or a
  * raw TCP socket that never reads. What the broker holds is read from the sockets it
@@ -219,6 +221,31 @@ describe('a client that does not read holds a bounded part of the broker, and is
     await (await again.attach(sb.id)).close();
     await (await again.attach(second.id)).close();
     again.close();
+  }, 120_000);
+
+  it(`output asked whole is capped at ${MAX_OUTPUT_BYTES} bytes a stream (more is refused at once), and a call whose client goes gives its output back`, async () => {
+    const alice = await Hutch.connect(b.url, { token: ALICE });
+    const sb = await alice.create();
+    const marker = `whole-${randomBytes(6).toString('hex')}`;
+    // Asked whole past the cap: refused before anything runs.
+    const refused = await sb.run(`head -q -c 50000000 /dev/zero ${marker}`, { maxOutputBytes: 4e9 }).catch((e: unknown) => e);
+    expect(refused).toMatchObject({ code: 'bad_request', context: { maxOutputBytes: 4e9, limit: MAX_OUTPUT_BYTES } });
+    expect(alice.hello.limits?.['maxOutputBytes']).toBe(MAX_OUTPUT_BYTES);
+    // At the cap: the result keeps that much and says it was cut.
+    const r = await sb.run(`head -q -c 50000000 /dev/zero ${marker}`, { maxOutputBytes: MAX_OUTPUT_BYTES });
+    expect([r.stdout.length, r.truncated]).toEqual([MAX_OUTPUT_BYTES, true]);
+    // A client that goes mid-call: the command is killed and the broker keeps none of its output.
+    const baseline = await arrayBuffersAfterGc();
+    const leaving = await Hutch.connect(b.url, { token: ALICE });
+    const call = (await leaving.attach(sb.id)).run(`cat /dev/zero ${marker}`, { maxOutputBytes: MAX_OUTPUT_BYTES }).catch(() => undefined);
+    await until('the command to run', () => running(marker) > 0, 20_000);
+    await new Promise((r) => setTimeout(r, 1000)); // its result holds MAX_OUTPUT_BYTES by now
+    leaving.close();
+    await call;
+    await until('the command to be killed', () => running(marker) === 0, 20_000);
+    expect(await arrayBuffersAfterGc()).toBeLessThan(baseline + 8 * MiB);
+    await sb.close();
+    alice.close();
   }, 120_000);
 
   it('an E2B command streamed to a client that never reads: the broker holds its bound, drops the stream after the stall time, and the command is no longer drained into memory', async () => {
