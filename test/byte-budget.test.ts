@@ -39,4 +39,36 @@ describe('ByteBudget', () => {
     await expect(next).rejects.toMatchObject({ code: 'busy' });
     big();
   });
+
+  it("a key's waiters are granted in the order they asked: a small later one does not pass a large earlier one", async () => {
+    const b = new ByteBudget(100, 100, 'x');
+    const alice = await b.reserve(60, 'alice', 1000);
+    const bob = await b.reserve(30, 'bob', 1000);
+    const order: string[] = [];
+    const large = b.reserve(50, 'alice', 1000).then((r) => (order.push('large'), r));
+    const small = b.reserve(5, 'alice', 1000).then((r) => (order.push('small'), r));
+    bob(); // 60 in use: the small one would fit, the large one not yet
+    await new Promise((r) => setTimeout(r, 10));
+    expect(order).toEqual([]);
+    const carol = await b.reserve(5, 'carol', 1000); // another key is not held back
+    carol();
+    alice();
+    (await large)();
+    (await small)();
+    expect(order).toEqual(['large', 'small']);
+  });
+
+  it('a wait without deadline ends when its signal aborts, and its place no longer holds anyone back', async () => {
+    const b = new ByteBudget(100, 100, 'x');
+    const held = await b.reserve(100, 'alice', 1000);
+    const ac = new AbortController();
+    const waiting = b.reserve(60, 'alice', Infinity, ac.signal);
+    const behind = b.reserve(10, 'alice', Infinity);
+    ac.abort(new Error('gone'));
+    await expect(waiting).rejects.toThrow('gone');
+    held();
+    (await behind)();
+    expect(b.inUse).toBe(0);
+    await expect(b.reserve(1, 'alice', Infinity, ac.signal)).rejects.toThrow('gone');
+  });
 });

@@ -6,7 +6,8 @@ import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
 import { HARNESS_API_VERSION, OPS, type OpName, type SessionTelemetry, type TelemetryEvent, type TelemetryParams } from './api/harness-protocol.ts';
 import { Principals } from './api/principals.ts';
-import { WsServer, bearer, type OpContext, type WsLimits } from './api/ws-server.ts';
+import { DEFAULT_WS_LIMITS, WsServer, bearer, sendLimits, type OpContext, type WsLimits } from './api/ws-server.ts';
+import { SendBudget } from './api/send-budget.ts';
 import { loopbackUrl, McpHttpEndpoint } from './mcp/http.ts';
 import { E2bEndpoint } from './e2b/endpoint.ts';
 import type { VmBackend } from './backends/backend.ts';
@@ -21,6 +22,7 @@ import { availableParallelism, totalmem } from 'node:os';
 import { DEFAULT_POLICY, type SandboxPolicy } from './policy/sandbox-policy.ts';
 import { ClusterMember, drainingError, type ClusterOptions } from './catalog/member.ts';
 import { validateSessionSizes, type SessionSizes } from './sessions/session-sizes.ts';
+import { MAX_OUTPUT_BYTES } from './sessions/session.ts';
 import { ByteBudget } from './util/byte-budget.ts';
 import { defaultSlotDisk, SlotDiskBudget, type SlotDiskOptions } from './lifecycle/slot-disk-budget.ts';
 
@@ -141,6 +143,8 @@ export class Broker {
   /** The data dir's disk the sessions' snapshot slots may take. */
   readonly slotDisk: SlotDiskBudget;
   readonly fileBytes = new ByteBudget(1024 * 1024 * 1024, 256 * 1024 * 1024, 'in-process file reads');
+  /** Bytes made for clients and not yet taken by their sockets: the WebSocket API's and E2B streams', per principal together. */
+  readonly sendBudget: SendBudget;
   readonly policy: SandboxPolicy;
   private server: WsServer | undefined;
   /** Streamed uploads and downloads (made with the server, which holds their limits). */
@@ -200,7 +204,8 @@ export class Broker {
       opts.log,
       { ...(opts.workspaceRoots ? { workspaceRoots: opts.workspaceRoots } : {}), ...(opts.sessionSizes ? { sizes: validateSessionSizes(opts.sessionSizes) } : {}), ...(opts.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: opts.maxSessionsPerPrincipal } : {}) },
     );
-    this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log });
+    this.sendBudget = new SendBudget(sendLimits({ ...DEFAULT_WS_LIMITS, ...opts.limits }));
+    this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log, send: this.sendBudget });
     this.cluster = opts.cluster ? new ClusterMember(opts.cluster, this, this.principals, opts.log) : undefined;
   }
 
@@ -213,13 +218,14 @@ export class Broker {
       principals: this.principals,
       log: this.opts.log,
       ...(this.opts.limits ? { limits: this.opts.limits } : {}),
+      send: this.sendBudget,
       redactPaths: hostPaths(this.opts.dataDir),
       hello: {
         backend: this.opts.backend.name,
         ...(this.opts.backend.accel ? { accel: this.opts.backend.accel } : {}),
         isolation: this.opts.backend.isolation,
         policy: { ...(this.opts.policyLevel ? { level: this.opts.policyLevel } : {}), idleMs: this.policy.idleMs, routing: this.policy.routing, idlePolicy: this.policy.idlePolicy },
-        limits: { ...(this.opts.maxFileBytes ? { maxFileBytes: this.opts.maxFileBytes } : {}) },
+        limits: { ...(this.opts.maxFileBytes ? { maxFileBytes: this.opts.maxFileBytes } : {}), maxOutputBytes: MAX_OUTPUT_BYTES },
         versions: { api: HARNESS_API_VERSION, broker: BROKER_VERSION, node: process.versions.node },
       },
       handle: (op, p, ctx) => this.handle(op, p, ctx),

@@ -29,6 +29,7 @@ export const ToolArgs = {
     description: z.string().optional(),
     stdin: bytesOrText.optional(),
     env: z.record(z.string(), z.string()).optional(),
+    /** Bytes of each output stream the result keeps; above MAX_OUTPUT_BYTES (session.ts) the call is `bad_request`. */
     maxOutputBytes: z.number().int().nonnegative().optional(),
     /** Force a route (tests, benchmarks); the router's choice otherwise. */
     route: z.enum(['fastpath', 'vm']).optional(),

@@ -5,6 +5,7 @@ import { Packr } from 'msgpackr';
 import type { z } from 'zod';
 import type { SignalSchema } from '../../../guest-agent/src/protocol/methods.ts';
 import { ReceiveBudget } from './receive-budget.ts';
+import { SendBudget, type SendLimits } from './send-budget.ts';
 import { WebSocketServer, type WebSocket, type RawData } from 'ws';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { checkMsgpackShape, parseJsonBounded } from '../../../guest-agent/src/protocol/value-shape.ts';
@@ -70,6 +71,18 @@ export interface WsLimits {
   principalReceiveBytes: number;
   /** Requests not yet answered, all principals together (past it, a large request is answered busy). */
   receiveTotalBytes: number;
+  /**
+   * Bytes made for one connection and not yet taken by its socket (answers, streamed output,
+   * events): past it the connection's frames wait, its calls' output is no longer drained,
+   * and it is neither read nor are its requests started. See send-budget.ts.
+   */
+  connectionSendBytes: number;
+  /** The same for one principal's connections (and E2B streams) together. */
+  principalSendBytes: number;
+  /** The same for every client together. */
+  sendTotalBytes: number;
+  /** A connection none of whose queued bytes its socket took for this long is closed. */
+  sendStallMs: number;
 }
 
 export const DEFAULT_WS_LIMITS: WsLimits = {
@@ -84,7 +97,16 @@ export const DEFAULT_WS_LIMITS: WsLimits = {
   maxStreamedFileBytes: 4 * 1024 * 1024 * 1024,
   principalReceiveBytes: 256 * 1024 * 1024,
   receiveTotalBytes: 1024 * 1024 * 1024,
+  connectionSendBytes: 16 * 1024 * 1024,
+  principalSendBytes: 64 * 1024 * 1024,
+  sendTotalBytes: 1024 * 1024 * 1024,
+  sendStallMs: 30_000,
 };
+
+/** The send budget's limits out of the connection limits. */
+export function sendLimits(l: WsLimits): SendLimits {
+  return { connectionBytes: l.connectionSendBytes, principalBytes: l.principalSendBytes, totalBytes: l.sendTotalBytes, stallMs: l.sendStallMs };
+}
 
 export interface WsServerOptions {
   port: number;
@@ -102,10 +124,9 @@ export interface WsServerOptions {
    * answers they are replaced by a placeholder, wherever the error came from.
    */
   redactPaths?: ReadonlyArray<{ path: string; as: string }>;
+  /** The budget of bytes queued for clients, when shared with other surfaces (E2B); else one from `limits`. */
+  send?: SendBudget;
 }
-
-/** Bytes queued on a socket before streamed output waits for the client. */
-const OUT_HIGH_WATER = 4 * 1024 * 1024;
 
 /**
  * The broker's WebSocket endpoint: token auth on upgrade (each token names a principal),
@@ -116,7 +137,9 @@ const OUT_HIGH_WATER = 4 * 1024 * 1024;
  * completed an authenticated upgrade are few (the oldest is dropped past the cap) and
  * short-lived (handshake timeout), each principal holds a bounded number of connections,
  * and a connection with many unfinished requests is not read until some finish, so its
- * frames queue in its own TCP window instead of the broker's memory.
+ * frames queue in its own TCP window instead of the broker's memory. What the broker sends
+ * is bounded the same way (send-budget.ts): a client that does not read its socket is not
+ * read either, its calls' output waits, and it is closed when it takes nothing for a while.
  */
 export class WsServer {
   private readonly http: Server;
@@ -129,10 +152,13 @@ export class WsServer {
   private connectionSeq = 0;
   /** Bytes each principal's messages hold (arriving, and received but not answered). */
   readonly receive: ReceiveBudget;
+  /** Bytes made for each connection and principal that their sockets have not taken. */
+  readonly send: SendBudget;
 
   constructor(private readonly opts: WsServerOptions) {
     this.limits = { ...DEFAULT_WS_LIMITS, ...opts.limits };
     this.receive = new ReceiveBudget(this.limits.principalReceiveBytes, this.limits.receiveTotalBytes);
+    this.send = opts.send ?? new SendBudget(sendLimits(this.limits));
     this.http = createServer((req, res) => void this.onHttp(req, res));
     // Node's own request timers as a second line (its checker runs on an interval).
     this.http.headersTimeout = this.limits.handshakeTimeoutMs;
@@ -262,39 +288,57 @@ export class WsServer {
     const maxInflight = this.limits.maxInflightPerConnection;
     const connection = { id: ++this.connectionSeq, ac: new AbortController() };
     log.info('ws.connected');
-    const send = (value: unknown, binary: boolean) => {
-      if (ws.readyState !== ws.OPEN) return;
-      ws.send(binary ? packr.pack(value) : JSON.stringify(value, jsonBytes));
-    };
-    send({ t: 'hello', v: HARNESS_API_VERSION, broker: 'hutch', principal, ...this.opts.hello, limits: { ...(this.opts.hello['limits'] as object | undefined), ...this.limits } }, false);
-
-    // Two reasons to stop reading this socket (too many unfinished requests; the principal's
-    // messages over its share): it reads again only when neither holds.
-    const paused = { inflight: false, budget: false };
+    // Three reasons to stop reading this socket (too many unfinished requests; the principal's
+    // messages over its share; what was made for it and not taken over its bound): it reads
+    // again only when none holds.
+    const paused = { inflight: false, budget: false, send: false };
     const applyPause = () => {
-      if (paused.inflight || paused.budget) {
+      if (paused.inflight || paused.budget || paused.send) {
         if (!ws.isPaused) ws.pause();
       } else if (ws.isPaused) ws.resume();
     };
+    /** A budget's pause and resume of this socket, as one of the reasons. */
+    const holds = (why: 'budget' | 'send') => ({
+      pause: () => {
+        paused[why] = true;
+        applyPause();
+      },
+      resume: () => {
+        paused[why] = false;
+        applyPause();
+      },
+    });
+    const sender = this.send.join(principal, {
+      ...holds('send'),
+      close: (why, queuedBytes) => {
+        log.warn(`ws.send_${why}`, { queuedBytes, ...(why === 'stalled' ? { stallMs: this.limits.sendStallMs } : { principalQueuedBytes: this.send.queuedBytes(principal) }) });
+        ws.terminate();
+      },
+      closed: connection.ac.signal,
+    });
+    /** Sends a frame once it fits the send budget; resolves when the socket has it (rejects if the connection closed first). */
+    const send = async (value: unknown, binary: boolean): Promise<void> => {
+      if (ws.readyState !== ws.OPEN) return;
+      const data = binary ? packr.pack(value) : Buffer.from(JSON.stringify(value, jsonBytes));
+      await sender.send(data.length, (taken) => ws.send(data, { binary }, () => taken()));
+    };
+    const post = (value: unknown, binary: boolean) => void send(value, binary).catch(() => undefined);
+    post({ t: 'hello', v: HARNESS_API_VERSION, broker: 'hutch', principal, ...this.opts.hello, limits: { ...(this.opts.hello['limits'] as object | undefined), ...this.limits } }, false);
     // A message is buffered whole by ws before 'message': what was read since the last one is
     // the message arriving now (within a chunk of it).
     let readAtMessage = req.socket.bytesRead;
     const receiving = this.receive.join(principal, {
       pending: () => req.socket.bytesRead - readAtMessage,
-      pause: () => {
-        paused.budget = true;
-        applyPause();
-      },
-      resume: () => {
-        paused.budget = false;
-        applyPause();
-      },
+      ...holds('budget'),
     });
     req.socket.on('data', () => receiving.onData());
 
     ws.on('message', (data: RawData, isBinary: boolean) => {
       readAtMessage = req.socket.bytesRead;
       receiving.onMessage();
+      // ws hands over what it had read when the socket closes: nobody is left to answer, and
+      // with the connection's queue given back those requests would all start at once.
+      if (ws.readyState !== ws.OPEN) return;
       const size = Array.isArray(data) ? data.reduce((n, b) => n + b.length, 0) : (data as ArrayBuffer).byteLength;
       let msg: unknown;
       try {
@@ -306,30 +350,30 @@ export class WsServer {
       } catch (err) {
         // A shape past the limits keeps its own code (too_large, bad_request) and says which.
         const e = err instanceof HutchError ? err : new HutchError('bad_request', `undecodable ${isBinary ? 'msgpack' : 'JSON'} frame: ${(err as Error).message}`);
-        send({ t: 'res', id: -1, e: e.toWire() }, isBinary);
+        post({ t: 'res', id: -1, e: e.toWire() }, isBinary);
         return;
       }
       const parsed = ClientMessageSchema.safeParse(msg);
       if (!parsed.success) {
         const id = typeof (msg as { id?: unknown })?.id === 'number' ? (msg as { id: number }).id : -1;
-        send({ t: 'res', id, e: new HutchError('bad_request', `invalid request: ${parsed.error.issues[0]?.path.join('.')}: ${parsed.error.issues[0]?.message}`).toWire() }, isBinary);
+        post({ t: 'res', id, e: new HutchError('bad_request', `invalid request: ${parsed.error.issues[0]?.path.join('.')}: ${parsed.error.issues[0]?.message}`).toWire() }, isBinary);
         return;
       }
       const { id, op, p } = parsed.data;
       // Own properties only: `toString`, `constructor` and `__proto__` are `in` every object.
       if (!Object.hasOwn(OPS, op)) {
-        send({ t: 'res', id, e: new HutchError('not_found', `unknown op ${op}`, { op }).toWire() }, isBinary);
+        post({ t: 'res', id, e: new HutchError('not_found', `unknown op ${op}`, { op }).toWire() }, isBinary);
         return;
       }
       if (inflight.has(id)) {
-        send({ t: 'res', id, e: new HutchError('bad_request', `request id ${id} is already in flight`).toWire() }, isBinary);
+        post({ t: 'res', id, e: new HutchError('bad_request', `request id ${id} is already in flight`).toWire() }, isBinary);
         return;
       }
       const held = this.receive.admit(principal, size);
       if (!held) {
         log.warn('ws.receive_budget', { op, bytes: size, held: this.receive.heldBytes(principal) });
         const msg = `principal ${principal}'s requests already hold ${this.receive.heldBytes(principal)} bytes in the broker (its share is ${this.limits.principalReceiveBytes}, ${this.limits.receiveTotalBytes} in all); this ${size}-byte request was dropped: retry once some are answered (large files go best by upload streams)`;
-        send({ t: 'res', id, e: new HutchError('busy', msg, { bytes: size, limit: 'receive' }).toWire() }, isBinary);
+        post({ t: 'res', id, e: new HutchError('busy', msg, { bytes: size, limit: 'receive' }).toWire() }, isBinary);
         return;
       }
       const ac = new AbortController();
@@ -353,11 +397,11 @@ export class WsServer {
           if (ws.readyState !== ws.OPEN) return;
           const d = text ? text[fd].write(Buffer.from(chunk.buffer, chunk.byteOffset, chunk.byteLength)) : chunk;
           if (text && d === '') return; // only the start of a character so far
-          const frame = { t: 'out', call: id, fd, d };
-          if (ws.bufferedAmount < OUT_HIGH_WATER) send(frame, isBinary);
-          else await new Promise<void>((r) => ws.send(isBinary ? packr.pack(frame) : JSON.stringify(frame), () => r()));
+          // Waits for room: the call's output is not drained meanwhile. A closed connection
+          // takes nothing more, and the call is cancelled with it.
+          await send({ t: 'out', call: id, fd, d }, isBinary).catch(() => undefined);
         },
-        event: (d) => send({ t: 'evt', call: id, d }, isBinary),
+        event: (d) => post({ t: 'evt', call: id, d }, isBinary),
         onSignal: (deliver) => void signallers.set(id, deliver),
         binary: isBinary,
         connection: { id: connection.id, closed: connection.ac.signal },
@@ -366,33 +410,43 @@ export class WsServer {
         const ac = inflight.get(callId);
         return ac ? { ac, deliver: signallers.get(callId) } : undefined;
       };
-      const handled = op === 'signal' ? this.signal(p, signalOf) : this.opts.handle(op as OpName, p, ctx);
-      handled.then(
-        (r) => send({ t: 'res', id, r }, isBinary),
-        (err: unknown) => {
-          const e = toHutchError(err);
-          if (e.code === 'internal') log.error('op.failed', { op, error: e.message, stack: (err as Error).stack });
-          send({ t: 'res', id, e: this.redact(e.toWire()) }, isBinary);
-        },
-      ).finally(() => {
-        inflight.delete(id);
-        this.inflightTotal--;
-        signallers.delete(id);
-        held();
-        if (paused.inflight && inflight.size <= maxInflight / 2) {
-          paused.inflight = false;
-          applyPause();
-        }
-      });
+      // A request starts once what was made for this client fits its bounds again (a signal
+      // at once: it makes little and may stop a call that makes much).
+      const handled = op === 'signal' ? this.signal(p, signalOf) : sender.room().then(() => this.opts.handle(op as OpName, p, ctx));
+      handled
+        .then(
+          (r) => ({ t: 'res', id, r }),
+          (err: unknown) => {
+            const e = toHutchError(err);
+            if (e.code === 'internal') log.error('op.failed', { op, error: e.message, stack: (err as Error).stack });
+            return { t: 'res', id, e: this.redact(e.toWire()) };
+          },
+        )
+        .then((answer) => {
+          held(); // the request's bytes are done with; its answer holds its place until written
+          return send(answer, isBinary);
+        })
+        .catch(() => undefined) // the connection closed: nobody to answer
+        .finally(() => {
+          inflight.delete(id);
+          this.inflightTotal--;
+          signallers.delete(id);
+          held();
+          if (paused.inflight && inflight.size <= maxInflight / 2) {
+            paused.inflight = false;
+            applyPause();
+          }
+        });
     });
     ws.on('close', () => {
       receiving.leave();
+      connection.ac.abort(new HutchError('cancelled', 'client disconnected'));
+      sender.leave();
       const left = (this.perPrincipal.get(principal) ?? 1) - 1;
       if (left > 0) this.perPrincipal.set(principal, left);
       else this.perPrincipal.delete(principal);
       log.info('ws.closed', { inflight: inflight.size });
       for (const ac of inflight.values()) ac.abort(new HutchError('cancelled', 'client disconnected'));
-      connection.ac.abort(new HutchError('cancelled', 'client disconnected'));
     });
     ws.on('error', (err) => log.warn('ws.error', { error: err.message }));
   }

@@ -10,6 +10,7 @@
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import { HutchError, type ErrorCode } from '../../../guest-agent/src/protocol/errors.ts';
 import { parseJsonBounded } from '../../../guest-agent/src/protocol/value-shape.ts';
+import type { Sender } from '../api/send-budget.ts';
 
 const END_STREAM = 0x02;
 const COMPRESSED = 0x01;
@@ -117,17 +118,40 @@ function envelope(flags: number, msg: unknown): Buffer {
   return Buffer.concat([head, json]);
 }
 
-/** A server stream: messages as they come, then exactly one end-stream envelope. */
+/**
+ * A server stream: messages as they come, then exactly one end-stream envelope. Every
+ * envelope goes through the client's send budget (api/send-budget.ts), in order: `send`
+ * resolves once the socket took its message's bytes into its queue, so a producer that
+ * awaits it (a command's output) waits for a client that reads slowly.
+ */
 export class ServerStream {
   private ended = false;
 
-  constructor(private readonly res: ServerResponse) {
+  constructor(
+    private readonly res: ServerResponse,
+    private readonly sender?: Sender,
+  ) {
     res.writeHead(200, { 'content-type': 'application/connect+json' });
     res.flushHeaders();
   }
 
-  send(msg: unknown): void {
-    if (!this.ended && !this.res.destroyed) this.res.write(envelope(0, msg));
+  /** Sends a message once it fits; rejects if the client went away first. */
+  async send(msg: unknown): Promise<void> {
+    if (this.ended || this.res.destroyed) return;
+    await this.write(envelope(0, msg), false);
+  }
+
+  /**
+   * A message nothing waits on (a keepalive, a directory event): when the client has its
+   * whole bound queued already, it is not reading, and the stream is dropped instead.
+   */
+  post(msg: unknown, full: () => void): void {
+    if (this.sender && this.sender.queued >= this.sender.limit) {
+      full();
+      this.res.destroy();
+      return;
+    }
+    this.send(msg).catch(() => undefined);
   }
 
   end(err?: unknown): void {
@@ -135,6 +159,17 @@ export class ServerStream {
     this.ended = true;
     if (this.res.destroyed) return;
     const e = err === undefined ? undefined : ConnectError.from(err);
-    this.res.end(envelope(END_STREAM, e ? { error: { code: e.code, message: e.message } } : {}));
+    this.write(envelope(END_STREAM, e ? { error: { code: e.code, message: e.message } } : {}), true).catch(() => undefined);
+  }
+
+  private async write(data: Buffer, last: boolean): Promise<void> {
+    const res = this.res;
+    const put = (taken?: () => void) => {
+      if (res.destroyed) taken?.();
+      else if (last) res.end(data, taken);
+      else res.write(data, taken);
+    };
+    if (this.sender) await this.sender.send(data.length, put);
+    else put();
   }
 }

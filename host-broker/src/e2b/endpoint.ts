@@ -32,6 +32,8 @@ import type { Session, SignalName } from '../sessions/session.ts';
 import { ConnectError, requestMessage, ServerStream, unaryError, unaryReply } from './connect-json.ts';
 import { PollingWatcher, watchDir } from './watch.ts';
 import { ByteBudget } from '../util/byte-budget.ts';
+import { SendBudget } from '../api/send-budget.ts';
+import { DEFAULT_WS_LIMITS, sendLimits } from '../api/ws-server.ts';
 import { readBody as readRequestBody } from '../util/read-body.ts';
 
 /**
@@ -179,13 +181,41 @@ export class E2bEndpoint {
   /** Upload bodies the broker holds at once (tests read it). */
   readonly bodies = new ByteBudget(BODIES_TOTAL_BYTES, BODIES_PER_PRINCIPAL_BYTES, 'E2B upload');
 
+  /** Bytes made for clients and not yet taken, shared with the WebSocket API's (per principal). */
+  private readonly sendBudget: SendBudget;
+
   constructor(
     private readonly o: {
       sessions: SessionManager;
       principals: Principals;
       log: Logger;
+      send?: SendBudget;
     },
-  ) {}
+  ) {
+    this.sendBudget = o.send ?? new SendBudget(sendLimits(DEFAULT_WS_LIMITS));
+  }
+
+  /**
+   * A server stream to one of `principal`'s clients, within its send budget: a client that
+   * takes none of it for the budget's stall time is cut off (its command goes on, as in envd).
+   */
+  private stream(res: ServerResponse, principal: string): ServerStream {
+    const closed = new AbortController();
+    const sender = this.sendBudget.join(principal, {
+      pause: () => undefined, // nothing more is read from a server stream's request
+      resume: () => undefined,
+      close: (why, queuedBytes) => {
+        this.o.log.warn(`e2b.send_${why}`, { principal, queuedBytes });
+        res.destroy();
+      },
+      closed: closed.signal,
+    });
+    res.once('close', () => {
+      closed.abort(new HutchError('cancelled', 'the client went away'));
+      sender.leave();
+    });
+    return new ServerStream(res, sender);
+  }
 
   static matches(url: string | undefined): boolean {
     return url !== undefined && (url.startsWith(`${API_PREFIX}/`) || url.startsWith(`${ENVD_PREFIX}/`));
@@ -549,7 +579,7 @@ export class E2bEndpoint {
           s,
           path,
           msg['recursive'] === true,
-          (e) => stream?.send({ filesystem: e }),
+          (e) => stream?.post({ filesystem: e }, () => this.o.log.warn('e2b.stream_full', { sandbox: sb.id, path })),
           (e) => stream?.end(e),
         );
       } catch (err) {
@@ -560,10 +590,10 @@ export class E2bEndpoint {
       if (err instanceof ApiError) throw err;
       return new ServerStream(res).end(err);
     }
-    const open = new ServerStream(res);
+    const open = this.stream(res, sb.principal);
     stream = open;
-    open.send({ start: {} });
-    const keepalive = setInterval(() => open.send({ keepalive: {} }), 30_000);
+    open.post({ start: {} }, () => undefined);
+    const keepalive = setInterval(() => open.post({ keepalive: {} }, () => undefined), 30_000);
     keepalive.unref();
     res.on('close', () => {
       clearInterval(keepalive);
@@ -738,7 +768,7 @@ export class E2bEndpoint {
       return unaryError(res, err);
     }
     const cfg = (msg['process'] ?? {}) as { cmd?: unknown; args?: unknown; envs?: unknown; cwd?: unknown };
-    const stream = new ServerStream(res);
+    const stream = this.stream(res, sb.principal);
     if (msg['pty'] !== undefined) return stream.end(new ConnectError('unimplemented', 'pty is not supported'));
     if (typeof cfg.cmd !== 'string' || !cfg.cmd) return stream.end(new ConnectError('invalid_argument', 'process.cmd is required'));
     const args = Array.isArray(cfg.args) ? cfg.args.map(String) : [];
@@ -764,10 +794,12 @@ export class E2bEndpoint {
     // As in envd, the client going away does not end the command (the SDK's disconnect(), then
     // commands.connect(pid)); it runs to its end, its timeout or a SendSignal.
     this.watch(proc, pid, res, stream);
-    const fan = (ev: unknown) => {
-      for (const w of proc.watchers) w.send(ev);
-    };
-    const keepalive = setInterval(() => fan({ event: { keepalive: {} } }), 30_000);
+    // Output waits for the slowest watcher to have room (so the command is not drained past
+    // what they take); a watcher that takes nothing for the stall time is cut off.
+    const fan = (ev: unknown): Promise<void> => Promise.all([...proc.watchers].map((w) => w.send(ev).catch(() => undefined))).then(() => undefined);
+    const keepalive = setInterval(() => {
+      for (const w of proc.watchers) w.post({ event: { keepalive: {} } }, () => this.o.log.warn('e2b.stream_full', { sandbox: sb.id, pid }));
+    }, 30_000);
     keepalive.unref();
     const timeoutHeader = Number(req.headers['connect-timeout-ms'] ?? 0);
     try {
@@ -785,7 +817,7 @@ export class E2bEndpoint {
       const b = r.result as { exitCode: number | null; signal?: string | null; timedOut?: boolean };
       const exitCode = b.exitCode ?? -1;
       const status = b.timedOut ? 'timeout' : b.signal ? `signal: ${b.signal}` : `exit status ${exitCode}`;
-      fan({ event: { end: { exitCode, exited: b.exitCode !== null, status, ...(b.timedOut ? { error: 'command timed out' } : {}) } } });
+      void fan({ event: { end: { exitCode, exited: b.exitCode !== null, status, ...(b.timedOut ? { error: 'command timed out' } : {}) } } });
       for (const w of proc.watchers) w.end();
     } catch (err) {
       for (const w of proc.watchers) w.end(err);
@@ -809,12 +841,12 @@ export class E2bEndpoint {
       // A server-streaming call answers its errors in the stream's end envelope.
       return new ServerStream(res).end(err);
     }
-    this.watch(proc, pid, res);
+    this.watch(proc, pid, res, this.stream(res, sb.principal));
   }
 
   /** Opens a stream on `res` for a process's events, starting with its start event. */
-  private watch(proc: Proc, pid: number, res: ServerResponse, stream = new ServerStream(res)): ServerStream {
-    stream.send({ event: { start: { pid } } });
+  private watch(proc: Proc, pid: number, res: ServerResponse, stream: ServerStream): ServerStream {
+    stream.send({ event: { start: { pid } } }).catch(() => undefined);
     proc.watchers.add(stream);
     res.on('close', () => proc.watchers.delete(stream));
     return stream;

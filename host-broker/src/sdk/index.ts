@@ -64,6 +64,7 @@ export interface RunOptions {
   stdin?: string | Uint8Array;
   timeoutMs?: number;
   env?: Record<string, string>;
+  /** Bytes of each of stdout and stderr the result keeps (default 1 MiB; at most the broker's `hello.limits.maxOutputBytes`, 16 MiB: more is `bad_request`). Streamed output is not capped. */
   maxOutputBytes?: number;
   /** Force the route (benchmarks, tests); the broker's router decides otherwise. */
   route?: 'fastpath' | 'vm';

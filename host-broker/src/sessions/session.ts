@@ -73,6 +73,13 @@ const FILE_BYTES_WAIT_MS = 30_000;
 
 /** Default per-stream output kept in a bash result; everything is still streamed. */
 export const DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024;
+/**
+ * The most of each of stdout and stderr a bash result may keep (a larger maxOutputBytes is
+ * `bad_request`): a result is held whole in the broker and goes to the client as one frame.
+ * With no ceiling, 1.2 GB of output asked whole took the broker to 1.8 GiB and held its loop
+ * for seconds; streamed output (`stream: true`) has no such limit.
+ */
+export const MAX_OUTPUT_BYTES = 16 * 1024 * 1024;
 /** The recorded sessions' default bash timeout. */
 export const DEFAULT_BASH_TIMEOUT_MS = 600_000;
 /**
@@ -158,6 +165,8 @@ export class Session {
       const routed: { route?: Route } = {};
       let r: Dispatched;
       try {
+        // Cancelled while it queued (its client went away): it does not run.
+        signal.throwIfAborted();
         r = await this.dispatch(tool, rawArgs, { ...sinks, signal }, routed);
       } catch (err) {
         const code = err instanceof HutchError ? err.code : 'internal';
@@ -308,6 +317,9 @@ export class Session {
       throw new HutchError('bad_request', `a call's timeout may be at most ${ceiling} ms (asked ${timeoutMs} ms)`, { timeoutMs, limit: ceiling });
     }
     const maxOutputBytes = a.maxOutputBytes ?? DEFAULT_MAX_OUTPUT_BYTES;
+    if (maxOutputBytes > MAX_OUTPUT_BYTES) {
+      throw new HutchError('bad_request', `a call's result may keep at most ${MAX_OUTPUT_BYTES} bytes of each output stream (asked maxOutputBytes ${maxOutputBytes}); stream the output to see more of it`, { maxOutputBytes, limit: MAX_OUTPUT_BYTES });
+    }
     const out = new OutputCollector(maxOutputBytes, sinks.onStdout);
     const err = new OutputCollector(maxOutputBytes, sinks.onStderr);
     const stdin = typeof a.stdin === 'string' ? Buffer.from(a.stdin) : a.stdin;

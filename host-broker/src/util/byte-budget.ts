@@ -24,28 +24,39 @@ export class ByteBudget {
 
   /**
    * Reserves `bytes` for `key` (a principal): at once if they fit, else when enough is
-   * released, within `waitMs`. More than one key may ever hold is capped at that (a request
-   * larger than the per-key budget waits for all of it). Returns the release.
+   * released, within `waitMs` (Infinity: no deadline; `signal` ends the wait too). More than
+   * one key may ever hold is capped at that (a request larger than the per-key budget waits
+   * for all of it). A key's reservations are granted in the order they were asked, so what a
+   * caller reserves before it writes keeps its order. Returns the release.
    */
-  async reserve(bytes: number, key: string, waitMs: number): Promise<() => void> {
+  async reserve(bytes: number, key: string, waitMs: number, signal?: AbortSignal): Promise<() => void> {
     const n = Math.min(Math.max(0, bytes), this.perKeyBytes, this.totalBytes);
+    signal?.throwIfAborted();
     // Behind this principal's own earlier waiters, never beside them; another's do not hold it back.
     if (this.fits(n, key) && !this.waiters.some((w) => w.key === key)) return this.take(n, key);
     return new Promise<() => void>((resolve, reject) => {
+      const leave = (err: unknown) => {
+        clearTimeout(timer);
+        signal?.removeEventListener('abort', onAbort);
+        const i = this.waiters.indexOf(w);
+        if (i >= 0) this.waiters.splice(i, 1);
+        reject(err);
+        this.wake(); // its place in the queue may have held others back
+      };
+      const onAbort = () => leave(signal?.reason);
       const w = {
         bytes: n,
         key,
         grant: () => {
           clearTimeout(timer);
+          signal?.removeEventListener('abort', onAbort);
           resolve(this.take(n, key));
         },
       };
-      const timer = setTimeout(() => {
-        const i = this.waiters.indexOf(w);
-        if (i >= 0) this.waiters.splice(i, 1);
-        reject(new HutchError('busy', `${this.what}: waited ${waitMs} ms for ${n} bytes of the ${this.perKeyBytes}-byte budget per principal (${this.totalBytes} in all); retry later`, { bytes: n, key }));
-        this.wake(); // its place in the queue may have held others back
-      }, waitMs);
+      const timer = Number.isFinite(waitMs)
+        ? setTimeout(() => leave(new HutchError('busy', `${this.what}: waited ${waitMs} ms for ${n} bytes of the ${this.perKeyBytes}-byte budget per principal (${this.totalBytes} in all); retry later`, { bytes: n, key })), waitMs)
+        : undefined;
+      signal?.addEventListener('abort', onAbort, { once: true });
       this.waiters.push(w);
     });
   }
@@ -69,14 +80,21 @@ export class ByteBudget {
     };
   }
 
-  /** Grants waiters in arrival order, each that fits (one principal's full budget does not hold another's back). */
+  /**
+   * Grants waiters in arrival order, each that fits (one principal's full budget does not
+   * hold another's back), but none before an earlier waiter of its own key.
+   */
   private wake(): void {
+    const blocked = new Set<string>();
     for (let i = 0; i < this.waiters.length; ) {
       const w = this.waiters[i] as (typeof this.waiters)[number];
-      if (this.fits(w.bytes, w.key)) {
+      if (!blocked.has(w.key) && this.fits(w.bytes, w.key)) {
         this.waiters.splice(i, 1);
         w.grant();
-      } else i++;
+      } else {
+        blocked.add(w.key);
+        i++;
+      }
     }
   }
 }
