@@ -124,13 +124,19 @@ describe.skipIf(!render)('deploy/kubernetes', () => {
     expect(JSON.stringify(objects)).not.toMatch(/token=[^/]/);
   });
 
-  it('every flag the containers pass is one the hutch CLI knows', () => {
-    const help = execFileSync(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', '--help'], { cwd: repo, encoding: 'utf8' });
+  it('every command and flag the containers pass is one the hutch CLI knows', () => {
+    const helpOf = (sub: string) => execFileSync(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', sub, '--help'], { cwd: repo, encoding: 'utf8' });
+    let checked = 0;
     for (const o of objects.filter((x) => ['DaemonSet', 'Deployment'].includes(x.kind))) {
       for (const c of [...pod(o).spec.containers, ...(pod(o).spec.initContainers ?? [])]) {
         if (c.command?.[0] !== 'hutch') continue;
-        for (const a of c.args ?? []) if (a.startsWith('--')) expect(help, `${o.metadata.name}: ${a}`).toContain(`${a.split('=')[0]} `);
+        const [sub, ...args] = c.args ?? [];
+        const help = helpOf(sub as string);
+        expect(help, `${o.metadata.name}/${c.name}: hutch ${sub}`).toMatch(new RegExp(`^usage: hutch ${sub} `));
+        for (const a of args) if (a.startsWith('--')) expect(help, `${o.metadata.name}: ${a}`).toContain(`${a.split('=')[0]} `);
+        checked++;
       }
     }
+    expect(checked).toBeGreaterThanOrEqual(3);
   });
 });
