@@ -1,4 +1,4 @@
-import { mkdirSync, readFileSync, rmSync, statSync, utimesSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, rmSync, statSync, utimesSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
@@ -153,6 +153,13 @@ export class QemuBackend implements VmBackend {
 
   attachMemoryBudget(budget: StandbyRoom): void {
     this.budget = budget;
+  }
+
+  /** The guest image's files are all still there (an operator may wipe the cache under a running broker). */
+  notReady(): string | undefined {
+    const parts: Array<[string, string | undefined]> = [['kernel', this.image.kernel], ['initrd', this.image.initrd], ['agent layer', this.image.agentLayer], ['root filesystem', this.image.rootfs]];
+    const missing = parts.filter(([, f]) => f !== undefined && !existsSync(f)).map(([name]) => name);
+    return missing.length ? `the guest image's ${missing.join(', ')} is missing from the cache: run hutch prepare` : undefined;
   }
 
   standbyStats(): { ready: number; filling: number } {
