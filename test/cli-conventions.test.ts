@@ -159,6 +159,19 @@ describe('./hutch as a Node CLI', () => {
     }
   }, 300_000);
 
+  it('a data dir on a read-only filesystem is refused before any work', () => {
+    // A read-only bind mount in a mount namespace of its own: unwritable even for root.
+    const ro = mkdtempSync(join(work, 'ro-'));
+    const r = spawnSync('unshare', ['-m', 'sh', '-c', `mount --bind -o ro ${ro} ${ro} && exec ./hutch serve --data-dir ${ro}/data`], {
+      cwd: repo,
+      encoding: 'utf8',
+      env: { ...process.env, HUTCH_CACHE: mkdtempSync(join(work, 'cache-')), PATH: `${shims}:${process.env['PATH']}` },
+    });
+    expect(r.status, r.stderr).toBe(2);
+    expect(r.stderr).toMatch(/--data-dir .*\/data: .* is not writable \(EROFS\)/);
+    expect(existsSync(called) ? readFileSync(called, 'utf8') : '').toBe('');
+  }, 60_000);
+
   it('a failure while running exits 1', () => {
     // Options fine, the guest image missing and building it off: a runtime failure, not a usage error.
     const r = timed(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', 'serve', '--port', '0', '--data-dir', join(work, 'data-nb'), '--no-build', '--log-level', 'error'], { PATH: process.env['PATH'] });
