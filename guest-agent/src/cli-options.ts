@@ -135,14 +135,16 @@ export class Command<O extends Options> {
 
   private parseArgsError(err: Error & { code?: string }): UsageError {
     const see = ` (see ${this.spec.name} --help)`;
-    const opt = /'(-[^']*)'/.exec(err.message)?.[1]?.split('=')[0];
+    // Node quotes the option as typed ('--prot', '--quiet=yes') or as declared ('-q, --quiet <value>').
+    const quoted = /'(-[^']*)'/.exec(err.message)?.[1] ?? '';
+    const opt = /--[\w-]+/.exec(quoted)?.[0] ?? quoted.split('=')[0] ?? '';
     switch (err.code) {
       case 'ERR_PARSE_ARGS_UNKNOWN_OPTION': {
         const near = opt ? closest(opt.replace(/^-+/, ''), Object.keys(this.spec.options)) : undefined;
-        return new UsageError(`unknown option ${opt ?? ''}${near ? `; did you mean --${near}?` : ''}${see}`, opt);
+        return new UsageError(`unknown option ${opt}${near ? `; did you mean --${near}?` : ''}${see}`, opt);
       }
       case 'ERR_PARSE_ARGS_INVALID_OPTION_VALUE':
-        return new UsageError(opt && this.spec.options[opt.replace(/^-+/, '')]?.arg ? `${opt} needs a value${see}` : `${opt ?? 'an option'} takes no value${see}`, opt);
+        return new UsageError(this.spec.options[opt.replace(/^-+/, '')]?.arg ? `${opt} needs a value${see}` : `${opt || 'an option'} takes no value${see}`, opt);
       default:
         return new UsageError(`${err.message}${see}`);
     }
