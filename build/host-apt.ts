@@ -6,21 +6,22 @@
  * (other builders, unattended upgrades), hence the generous lock timeout.
  * Packages from newer suites never go through here: see debian-fetch.ts.
  */
-import { capture, run } from "./run.ts";
+import { spawnSync } from "node:child_process";
+import { run } from "./run.ts";
 
-/** Names among `names` that dpkg does not report as installed. */
+/** Names among `names` that dpkg does not report as installed (one dpkg-query for all of them). */
 export async function missingHostPackages(names: readonly string[]): Promise<string[]> {
-  const missing: string[] = [];
-  for (const name of names) {
-    let status = "";
-    try {
-      status = await capture(["dpkg-query", "-W", "-f=${Status}", name]);
-    } catch {
-      // dpkg-query exits 1 for a package it has never heard of: missing.
-    }
-    if (!status.endsWith("install ok installed")) missing.push(name);
-  }
-  return missing;
+  if (names.length === 0) return [];
+  // dpkg-query exits 1 when it has never heard of one of them, after listing the others.
+  const r = spawnSync("dpkg-query", ["-W", "-f=${Package}\t${Status}\n", ...names], { encoding: "utf8" });
+  if (r.error) throw new Error(`cannot run dpkg-query (hutch needs a Debian host): ${r.error.message}`);
+  const installed = new Set(
+    r.stdout
+      .split("\n")
+      .filter((l) => l.endsWith("install ok installed"))
+      .map((l) => l.split("\t")[0]?.split(":")[0]),
+  );
+  return names.filter((n) => !installed.has(n));
 }
 
 /**

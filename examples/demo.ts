@@ -10,28 +10,53 @@
  *   - an idle VM is released; one that changed ~/.gitconfig is snapshotted into a slot and
  *     its next call restores it; live telemetry and /metrics at the end.
  *
- *   npx tsx examples/demo.ts [--sandboxes N] [--keep]
+ *   ./hutch demo [--sandboxes N] [--keep]    (or npx tsx examples/demo.ts ...)
  */
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { parseArgs } from 'node:util';
-import { Hutch, type Sandbox } from 'hutch';
-import { createLogger } from '../guest-agent/src/log.ts';
-import { serve } from '../host-broker/src/cli.ts';
-import { EXAMPLE_PROJECTS, prepareWorkspace } from '../bench/lib/sessions.ts';
+import type { Sandbox } from 'hutch';
+import { Command, int } from '../guest-agent/src/cli-options.ts';
+import { describeError, exitStatusOf } from '../host-broker/src/cli/terminal.ts';
 
-const { values } = parseArgs({ options: { sandboxes: { type: 'string', default: '3' }, keep: { type: 'boolean', default: false } } });
-const n = Number(values.sandboxes);
-const bold = (s: string) => (process.stdout.isTTY ? `\x1b[1m${s}\x1b[0m` : s);
+const DEMO = new Command({
+  name: 'hutch demo',
+  summary: 'A real broker with real microVM sandboxes: agents driven through the SDK on the example projects.',
+  options: {
+    sandboxes: { arg: 'N', help: 'agents working at once (default 3)', default: '3', parse: int(1, 32) },
+    keep: { help: 'keep the data dir and the workspaces afterwards' },
+  },
+});
+let parsed;
+try {
+  parsed = DEMO.parse(process.argv.slice(2));
+} catch (err) {
+  process.stderr.write(describeError('hutch', err));
+  process.exit(exitStatusOf(err));
+}
+if (!parsed) process.exit(0);
+const values = parsed.values;
+const n = values.sandboxes;
+const bold = (s: string) => (process.stdout.isTTY && !process.env['NO_COLOR'] ? `\x1b[1m${s}\x1b[0m` : s);
 const step = (s: string) => process.stdout.write(`\n${bold(`== ${s}`)}\n`);
+
+// The guest image first, with progress (cached after the first run); under ./hutch, the Debian packages before it.
+const { runSetup } = await import('../host-broker/src/cli/setup-command.ts');
+const { defaultLogFormat } = await import('../host-broker/src/cli/progress.ts');
+await runSetup({ packages: process.env['HUTCH_INSTALL_PACKAGES'] === '1', guest: true, format: defaultLogFormat(), level: 'info', size: { memoryMiB: 512, cpus: 1 } });
+const [{ Hutch }, { createLogger }, { serve }, { EXAMPLE_PROJECTS, prepareWorkspace }] = await Promise.all([
+  import('hutch'),
+  import('../guest-agent/src/log.ts'),
+  import('../host-broker/src/serve.ts'),
+  import('../bench/lib/sessions.ts'),
+]);
 
 const dataDir = mkdtempSync(join(tmpdir(), 'hutch-demo-'));
 // The broker copies a workspace from a host directory only under a root it was given.
 const projectsDir = mkdtempSync(join(tmpdir(), 'hutch-demo-projects-'));
 const token = randomBytes(16).toString('hex');
-step('starting the broker (first run builds the guest kernel, rootfs and pristine snapshot; cached afterwards)');
+step('starting the broker');
 const broker = await serve({ port: 0, host: '127.0.0.1', token, dataDir, workspaceRoots: [projectsDir], policy: { idleMs: 3000 }, log: createLogger({ name: 'hutch-broker', level: 'warn' }) });
 const url = `ws://127.0.0.1:${broker.port}`;
 const hutch = await Hutch.connect(url, { token });

@@ -2,12 +2,15 @@
  * deploy/kubernetes renders offline with kustomize and every rendered object validates
  * against the Kubernetes API schemas (kubernetes-models ships them; no cluster, no network).
  * Then what the deployment promises: brokers only on KVM nodes with /dev/kvm and the data dir
- * from the host, probes on /healthz, a preStop drain, requests; gateways behind a Service;
- * the catalog; tokens from a Secret; metrics annotations; and every flag in a container's
- * args is one the hutch CLI knows.
+ * from the host, liveness on /healthz and readiness on /readyz, a preStop drain, requests;
+ * gateways behind a Service; the catalog; tokens from a Secret; metrics annotations; the
+ * image the Containerfile builds, by the name it gives it; and every command and flag in a
+ * container is one the image and the hutch CLI have.
  */
 import { execFileSync, spawnSync } from 'node:child_process';
-import { resolve } from 'node:path';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { parseAllDocuments } from 'yaml';
 import { Namespace } from 'kubernetes-models/v1/Namespace';
@@ -32,27 +35,38 @@ const MODELS: Record<string, new (o: never) => { validate(): void }> = {
   'networking.k8s.io/v1/NetworkPolicy': NetworkPolicy,
 };
 
-/** kubectl kustomize (kubectl >= 1.14, e.g. Debian's kubernetes-client), else a standalone kustomize. */
+/**
+ * kubectl kustomize, else a standalone kustomize: one whose kustomize reads `labels`
+ * (kustomize >= 4.1, kubectl >= 1.22). Debian bookworm's kubectl 1.20 does not.
+ */
 function renderer(): { cmd: string; args: string[] } | undefined {
-  for (const c of [{ cmd: 'kubectl', args: ['kustomize', base] }, { cmd: 'kustomize', args: ['build', base] }]) {
-    const r = spawnSync(c.cmd, [...c.args.slice(0, 1), '--help'], { encoding: 'utf8' });
-    if (!r.error && r.status === 0) return c;
+  const probe = mkdtempSync(join(tmpdir(), 'hutch-kustomize-'));
+  try {
+    writeFileSync(join(probe, 'kustomization.yaml'), 'labels:\n  - pairs: { a: b }\nresources: [cm.yaml]\n');
+    writeFileSync(join(probe, 'cm.yaml'), 'apiVersion: v1\nkind: ConfigMap\nmetadata: { name: x }\n');
+    for (const c of [{ cmd: 'kubectl', args: ['kustomize'] }, { cmd: 'kustomize', args: ['build'] }]) {
+      const r = spawnSync(c.cmd, [...c.args, probe], { encoding: 'utf8' });
+      if (!r.error && r.status === 0 && r.stdout.includes('a: b')) return { cmd: c.cmd, args: [...c.args, base] };
+    }
+    return undefined;
+  } finally {
+    rmSync(probe, { recursive: true, force: true });
   }
-  return undefined;
 }
 
 const render = renderer();
-if (!render) console.log('SKIPPING test/deploy-kubernetes.test.ts: neither `kubectl kustomize` nor `kustomize` is installed (apt-get install kubernetes-client)');
+if (!render) console.log('SKIPPING test/deploy-kubernetes.test.ts: no `kubectl kustomize` or `kustomize` that reads `labels` (kustomize >= 4.1, kubectl >= 1.22; Debian bookworm\'s kubectl 1.20 is older)');
 
 type Obj = { apiVersion: string; kind: string; metadata: { name: string; annotations?: Record<string, string> }; spec?: Record<string, unknown> };
 type Container = { name: string; command?: string[]; args?: string[]; env?: Array<{ name: string }>; volumeMounts?: Array<{ name: string; mountPath: string }>; resources?: { requests?: Record<string, string> }; livenessProbe?: { httpGet?: { path: string } }; readinessProbe?: { httpGet?: { path: string } }; lifecycle?: { preStop?: unknown } };
 type PodSpec = { nodeSelector?: Record<string, string>; containers: Container[]; initContainers?: Container[]; volumes?: Array<{ name: string; hostPath?: { path: string }; secret?: { secretName: string } }> };
 
 describe.skipIf(!render)('deploy/kubernetes', () => {
+  const rendered = render ? spawnSync(render.cmd, render.args, { encoding: 'utf8' }) : undefined;
   const objects = (() => {
-    if (!render) return [] as Obj[];
-    const text = execFileSync(render.cmd, render.args, { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
-    return parseAllDocuments(text).map((d) => d.toJS() as Obj).filter(Boolean);
+    if (!rendered) return [] as Obj[];
+    if (rendered.status !== 0) throw new Error(`${render?.cmd} ${render?.args.join(' ')} failed: ${rendered.stderr}`);
+    return parseAllDocuments(rendered.stdout).map((d) => d.toJS() as Obj).filter(Boolean);
   })();
   const find = (kind: string, name: string) => {
     const o = objects.find((x) => x.kind === kind && x.metadata.name === name);
@@ -90,7 +104,7 @@ describe.skipIf(!render)('deploy/kubernetes', () => {
     expect(hostPaths[mounts['/var/lib/hutch'] as string]).toBe('/var/lib/hutch');
     expect(c.args).toContain('--data-dir=/var/lib/hutch');
     expect(c.livenessProbe?.httpGet?.path).toBe('/healthz');
-    expect(c.readinessProbe?.httpGet?.path).toBe('/healthz');
+    expect(c.readinessProbe?.httpGet?.path).toBe('/readyz');
     expect(c.resources?.requests?.['cpu']).toBeDefined();
     expect(c.resources?.requests?.['memory']).toBeDefined();
     expect(JSON.stringify(c.lifecycle?.preStop)).toContain('kill -TERM 1');
@@ -124,13 +138,45 @@ describe.skipIf(!render)('deploy/kubernetes', () => {
     expect(JSON.stringify(objects)).not.toMatch(/token=[^/]/);
   });
 
-  it('every flag the containers pass is one the hutch CLI knows', () => {
-    const help = execFileSync(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', '--help'], { cwd: repo, encoding: 'utf8' });
+  it('renders without a warning (no deprecated field such as commonLabels)', () => {
+    expect(rendered?.stderr).toBe('');
+    expect(readFileSync(join(base, 'kustomization.yaml'), 'utf8')).not.toMatch(/^commonLabels:/m);
+  });
+
+  it("hutch's containers run the image the Containerfile builds, by the name its build command gives it, and only commands that image has", () => {
+    const containerfile = readFileSync(join(repo, 'Containerfile'), 'utf8');
+    const built = /podman build -t (\S+) \./.exec(containerfile)?.[1];
+    expect(built, 'the Containerfile names its build command').toBeDefined();
+    // What the image puts on PATH: hutch (a link to the clone's entry point), and the base image's shell.
+    const provided = new Set(['/bin/sh', ...[...containerfile.matchAll(/ln -s \S+ \/usr\/local\/bin\/(\S+)/g)].map((m) => m[1] as string)]);
+    expect(provided.has('hutch')).toBe(true);
+    let checked = 0;
+    for (const o of objects.filter((x) => ['DaemonSet', 'Deployment'].includes(x.kind))) {
+      for (const c of [...pod(o).spec.containers, ...(pod(o).spec.initContainers ?? [])] as Array<Container & { image: string; lifecycle?: { preStop?: { exec?: { command: string[] } } } }>) {
+        if (!c.image.includes('hutch')) continue;
+        expect(c.image, `${o.metadata.name}/${c.name}`).toBe(built);
+        expect(provided.has(c.command?.[0] ?? ''), `${o.metadata.name}/${c.name}: ${c.command?.[0]} is not in the image`).toBe(true);
+        const hook = c.lifecycle?.preStop?.exec?.command[0];
+        if (hook) expect(provided.has(hook), `${o.metadata.name}/${c.name} preStop: ${hook}`).toBe(true);
+        checked++;
+      }
+    }
+    expect(checked).toBe(3);
+  });
+
+  it('every command and flag the containers pass is one the hutch CLI knows', () => {
+    const helpOf = (sub: string) => execFileSync(process.execPath, ['--import', 'tsx', 'host-broker/src/cli.ts', sub, '--help'], { cwd: repo, encoding: 'utf8' });
+    let checked = 0;
     for (const o of objects.filter((x) => ['DaemonSet', 'Deployment'].includes(x.kind))) {
       for (const c of [...pod(o).spec.containers, ...(pod(o).spec.initContainers ?? [])]) {
         if (c.command?.[0] !== 'hutch') continue;
-        for (const a of c.args ?? []) if (a.startsWith('--')) expect(help, `${o.metadata.name}: ${a}`).toContain(`${a.split('=')[0]} `);
+        const [sub, ...args] = c.args ?? [];
+        const help = helpOf(sub as string);
+        expect(help, `${o.metadata.name}/${c.name}: hutch ${sub}`).toMatch(new RegExp(`^usage: hutch ${sub} `));
+        for (const a of args) if (a.startsWith('--')) expect(help, `${o.metadata.name}: ${a}`).toContain(`${a.split('=')[0]} `);
+        checked++;
       }
     }
+    expect(checked).toBeGreaterThanOrEqual(3);
   });
 });

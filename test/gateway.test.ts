@@ -249,7 +249,9 @@ describe.skipIf(skip !== undefined)('hutch gateway in front of three brokers', (
     const inflight = sb.run('echo start; sleep 1; echo done', { onStdout: (c) => c.includes('start') && started() });
     await isStarted;
     g3.p.kill('SIGTERM');
-    await until('the gateway to report draining', async () => (await fetch(`${g3.url.replace(/^ws/, 'http')}/healthz`).then((r) => r.status, () => 0)) === 503);
+    await until('the gateway to report draining', async () => (await fetch(`${g3.url.replace(/^ws/, 'http')}/readyz`).then((r) => r.status, () => 0)) === 503);
+    // Not ready, still alive: a liveness probe must not restart it while it drains.
+    expect((await fetch(`${g3.url.replace(/^ws/, 'http')}/healthz`)).status).toBe(200);
     const r = await inflight;
     expect(r.stdout).toBe('start\ndone\n');
     expect(await g3.exited).toBe(0);

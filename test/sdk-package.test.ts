@@ -5,7 +5,7 @@
  * (unsafe-local backend: no VM needed, so this runs in the host tier). Its consumer types
  * are checked with tsc against the installed .d.ts files.
  */
-import { spawn, execFileSync } from 'node:child_process';
+import { spawn, spawnSync, execFileSync } from 'node:child_process';
 import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
@@ -95,6 +95,10 @@ console.log(JSON.stringify({ hello, write: info(write), run: { ...info(run), exi
     }
   }, 180_000);
 
+  it("the README's SDK example runs as written, from the package, against ./hutch serve (unsafe-local)", async () => {
+    await runReadmeExample(['--backend', 'unsafe-local', '--i-know-unsafe-local']);
+  }, 300_000);
+
   it('ships .d.ts types a TypeScript harness compiles against', () => {
     writeFileSync(
       join(app, 'typed.ts'),
@@ -119,6 +123,45 @@ export async function go(url: string): Promise<number> {
     expect(r.status).toBe(0);
   }, 120_000);
 });
+
+describe("the README's SDK example on the default backend", { tags: ['vm'] }, () => {
+  it('runs as written against ./hutch serve: the test suite in a microVM', async () => {
+    await runReadmeExample(['--standby', '0']);
+  }, 900_000);
+});
+
+/** The README's SDK block, unchanged, run by plain Node from the installed package against `./hutch serve` in this clone. */
+async function runReadmeExample(serveArgs: string[]): Promise<void> {
+  const readme = readFileSync(join(repo, 'README.md'), 'utf8');
+  const block = /```js\n(import \{ Hutch \} from 'hutch';\n[\s\S]*?)```/.exec(readme)?.[1];
+  expect(block, "README.md's SDK example").toBeDefined();
+  writeFileSync(join(app, 'readme-example.mjs'), block as string);
+  const token = 'readme-example-token-0123456789';
+  writeFileSync(join(work, 'token'), `${token}\n`, { mode: 0o600 });
+  // ./hutch serve as the README runs it, on a free port; the example reads HUTCH_URL and HUTCH_TOKEN.
+  const p = spawn('./hutch', ['serve', '--port', '0', '--token-file', join(work, 'token'), '--data-dir', join(work, `data-readme-${serveArgs.length}`), '--ready-json', '--log-level', 'warn', ...serveArgs], { cwd: repo, stdio: ['ignore', 'pipe', 'pipe'] });
+  let stderr = '';
+  p.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
+  try {
+    const ready = await new Promise<{ url: string }>((res, rej) => {
+      let out = '';
+      p.stdout.on('data', (d: Buffer) => {
+        out += d.toString();
+        if (out.includes('\n')) res(JSON.parse(out.slice(0, out.indexOf('\n'))) as { url: string });
+      });
+      p.once('exit', (c) => rej(new Error(`./hutch serve exited ${c}: ${stderr.slice(-2000)}`)));
+    });
+    const r = spawnSyncText(process.execPath, ['readme-example.mjs'], app, { HUTCH_URL: ready.url, HUTCH_TOKEN: token });
+    expect(r.status, r.output).toBe(0);
+    const lines = r.stdout.trim().split('\n');
+    expect(lines[0], r.output).toMatch(/^inprocess \d+(\.\d+)?$/);
+    expect(lines[1], r.output).toMatch(/^0 vm .+ \d+(\.\d+)?$/);
+    expect(r.output).toMatch(/Ran 1 test/);
+  } finally {
+    p.kill('SIGTERM');
+    if (p.exitCode === null) await new Promise((r) => p.once('exit', r));
+  }
+}
 
 /** `hutch serve` from the installed package, told to report readiness on fd 3. */
 async function startPackagedBroker(): Promise<{ url: string; token: string; stop: () => Promise<void> }> {
@@ -153,13 +196,8 @@ async function startPackagedBroker(): Promise<{ url: string; token: string; stop
   };
 }
 
-function spawnSyncText(cmd: string, args: string[], cwd: string): { status: number | null; output: string } {
-  try {
-    const out = execFileSync(cmd, args, { cwd, encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
-    return { status: 0, output: out.trim() };
-  } catch (err) {
-    const e = err as { status: number | null; stdout?: string; stderr?: string };
-    return { status: e.status, output: `${e.stdout ?? ''}${e.stderr ?? ''}`.trim() };
-  }
+function spawnSyncText(cmd: string, args: string[], cwd: string, env: NodeJS.ProcessEnv = {}): { status: number | null; stdout: string; output: string } {
+  const r = spawnSync(cmd, args, { cwd, encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env }, timeout: 600_000 });
+  return { status: r.status, stdout: r.stdout, output: `${r.stdout}${r.stderr}`.trim() };
 }
 

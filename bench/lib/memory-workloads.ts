@@ -4,14 +4,28 @@
  * a call that talks to it. Each exec is a new process, so a call reaches the server
  * through a pair of FIFOs in /tmp: it writes one request line and reads one reply.
  */
-import { readdirSync, readFileSync, statSync } from 'node:fs';
-import { join, relative } from 'node:path';
+import { existsSync, readdirSync, readFileSync, statSync } from 'node:fs';
+import { dirname, join, relative, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
 import type { AgentClient } from '../../host-broker/src/agent-client.ts';
-import { PROJECTS_DIR } from './sessions.ts';
+import { EXAMPLE_PROJECTS } from './sessions.ts';
+
+/**
+ * Where the workloads' projects come from: the repository's own (the example projects and
+ * a test fixture), so the tests that start a workload need nothing beside the clone.
+ */
+export const WORKLOAD_PROJECT_DIRS = [EXAMPLE_PROJECTS, resolve(dirname(fileURLToPath(import.meta.url)), '../../test/fixtures/projects')];
+
+/** A workload project's directory on the host (the first of WORKLOAD_PROJECT_DIRS that has it). */
+export function workloadProjectDir(name: string): string {
+  const dir = WORKLOAD_PROJECT_DIRS.map((d) => join(d, name)).find((d) => existsSync(d));
+  if (!dir) throw new Error(`workload project ${name} is in none of ${WORKLOAD_PROJECT_DIRS.join(', ')}`);
+  return dir;
+}
 
 export interface LongLivedWorkload {
   name: string;
-  /** Shared bench projects copied to /work/<project> before the server starts. */
+  /** Projects (workloadProjectDir) copied to /work/<project> before the server starts. */
   projects: string[];
   /** The server's source, written to /work/.hutch-mem/<file>. */
   file: string;
@@ -26,7 +40,7 @@ const DIR = '/work/.hutch-mem';
 
 /**
  * Python REPL-like server: imports a large part of the stdlib, keeps ~20 MiB of state,
- * and per request runs the unittest suites of three bench projects in-process (modules
+ * and per request runs the unittest suites of its projects in-process (modules
  * stay imported between calls, as in a REPL) and walks its state.
  */
 const PY_SERVER = String.raw`
@@ -43,14 +57,23 @@ IN, OUT = "/tmp/%s.in" % name, "/tmp/%s.out" % name
 for p in (IN, OUT):
     if not os.path.exists(p):
         os.mkfifo(p)
+# Every project's suite is a package named tests: each project keeps its own imported
+# test modules, swapped into sys.modules for its run (imported once, as in a REPL).
+test_modules = {}
+def swap_tests(p):
+    for k in [k for k in sys.modules if k == "tests" or k.startswith("tests.")]:
+        del sys.modules[k]
+    sys.modules.update(test_modules.get(p, {}))
 def run_tests():
     total = failed = 0
     for p in projects:
         root = "/work/" + p
         if root not in sys.path:
             sys.path.insert(0, root)
+        swap_tests(p)
         suite = unittest.defaultTestLoader.discover(root + "/tests", top_level_dir=root)
         r = unittest.TextTestRunner(stream=io.StringIO(), verbosity=0).run(suite)
+        test_modules[p] = {k: m for k, m in sys.modules.items() if k == "tests" or k.startswith("tests.")}
         total += r.testsRun
         failed += len(r.failures) + len(r.errors)
     walked = sum(len(v) for v in state.values())
@@ -75,7 +98,7 @@ const NODE_SERVER = String.raw`
 'use strict';
 const fs = require('fs');
 const path = require('path');
-const [name, root] = process.argv.slice(2);
+const [name, root, copies] = process.argv.slice(2);
 const IN = '/tmp/' + name + '.in', OUT = '/tmp/' + name + '.out';
 const files = [];
 (function walk(d) {
@@ -85,9 +108,9 @@ const files = [];
     else if (p.endsWith('.js')) files.push({ path: p, text: fs.readFileSync(p, 'utf8') });
   }
 })(root);
-// A mid-sized repository: the project's files, 300 times over under different names.
+// A mid-sized repository: the project's files, many times over under different names.
 const docs = [];
-for (let i = 0; i < 300; i++) for (const f of files) docs.push({ uri: 'file://' + i + '/' + f.path, text: f.text.replace(/function (\w+)/g, 'function $1_' + i) });
+for (let i = 0; i < Number(copies); i++) for (const f of files) docs.push({ uri: 'file://' + i + '/' + f.path, text: f.text.replace(/function (\w+)/g, 'function $1_' + i) });
 const index = new Map();
 function tokenize(doc) {
   const toks = [];
@@ -122,21 +145,26 @@ for (;;) {
 }
 `;
 
+/** invoicer's suite has one failing test on purpose: the server counts it, the same on every call. */
 export const PYTHON_REPL: LongLivedWorkload = {
   name: 'python',
-  projects: ['datespan', 'logtally', 'salesreport'],
+  projects: ['invoicer', 'datespan'],
   file: 'py_server.py',
   source: PY_SERVER,
-  start: `python3 -B ${DIR}/py_server.py python datespan logtally salesreport`,
+  start: `python3 -B ${DIR}/py_server.py python invoicer datespan`,
   request: 'run',
 };
 
+/**
+ * slugkit's .js files (1.3 KB) 1,900 times over: about the 2.5 MB of text the server held
+ * when it replicated a 8 KB project 300 times.
+ */
 export const NODE_LSP: LongLivedWorkload = {
   name: 'node',
-  projects: ['textkit'],
+  projects: ['slugkit'],
   file: 'lsp_server.js',
   source: NODE_SERVER,
-  start: `node --max-semi-space-size=8 ${DIR}/lsp_server.js node /work/textkit`,
+  start: `node --max-semi-space-size=8 ${DIR}/lsp_server.js node /work/slugkit 1900`,
   request: 'references slugify',
 };
 
@@ -160,7 +188,7 @@ export async function pushDir(agent: AgentClient, hostDir: string, guestRel: str
 
 /** Puts the workload's projects and server into the guest and starts the server; resolves once it is ready. */
 export async function startWorkload(agent: AgentClient, w: LongLivedWorkload, timeoutMs = 300_000): Promise<void> {
-  for (const p of w.projects) await pushDir(agent, join(PROJECTS_DIR, p), p);
+  for (const p of w.projects) await pushDir(agent, workloadProjectDir(p), p);
   await agent.call('fs.write', { path: `.hutch-mem/${w.file}`, content: w.source });
   // The agent moves a command into the workload cgroup just after spawning it; a child the
   // shell forks before that stays in the agent's cgroup, out of reach of memory.reclaim and

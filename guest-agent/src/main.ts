@@ -1,82 +1,56 @@
 #!/usr/bin/env node
-import { parseArgs } from 'node:util';
 import { userInfo } from 'node:os';
 import { Agent } from './agent-server.ts';
 import { probeCapabilities } from './capabilities.ts';
+import { Command, int, isUsageError, logLevel, UsageError } from './cli-options.ts';
 import { findVirtioPort, listenUnix, listenVsock, openVirtioPort, parseListenSpec, type Listener, type ListenSpec } from './listen.ts';
-import { createLogger, parseLogLevel } from './log.ts';
+import { createLogger } from './log.ts';
 import { HutchError } from './protocol/errors.ts';
 import { PROTOCOL_VERSION } from './protocol/version.ts';
 
-const HELP = `hutch-agent: serves exec, file tools and workspace sync to the hutch broker
-
-usage: hutch-agent --listen SPEC [--listen SPEC ...] [options]
-
-  --listen SPEC       unix:PATH | vport:NAME | vsock:PORT (repeatable)
-  --root DIR          workspace root (default /work)
-  --mount-point DIR   where tenants see the workspace (default /work)
-  --run-as UID:GID    identity for tenant commands and created files (default: the agent's own)
-  --home DIR          HOME for tenant commands (default: /home/tenant for --run-as, else the agent's)
-  --timeout-ms N      default exec timeout (default 600000)
-  --max-output N      default bytes kept per output stream (default 16777216)
-  --kill-on-exit      kill what a command leaves running when it exits (use when the agent
-                      runs on a host rather than in a VM)
-  --guest             this agent owns its machine (a VM): it may set the clock after a
-                      snapshot restore and manage the guest's memory
-  --overlay-upper DIR the root overlay's upper directory (dirtiness: writes outside /work, /tmp)
-  --workload-cgroup D cgroup v2 directory tenant commands run in
-  --env KEY=VALUE     extra environment for tenant commands (repeatable; a template's --env)
-  --log-level L       debug | info | warn | error (default info; env HUTCH_LOG_LEVEL)
-  -h, --help          this text
-
-protocol v${PROTOCOL_VERSION}`;
-
-/** `--env KEY=VALUE` pairs; a malformed one is a startup error, never silently dropped. */
-function tenantEnv(pairs: string[]): Record<string, string> {
-  const out: Record<string, string> = {};
-  for (const p of pairs) {
-    const i = p.indexOf('=');
-    if (i <= 0 || !/^[A-Za-z_][A-Za-z0-9_]*$/.test(p.slice(0, i))) throw new HutchError('bad_request', `--env expects KEY=VALUE, got ${JSON.stringify(p)}`);
-    out[p.slice(0, i)] = p.slice(i + 1);
-  }
-  return out;
+/** `--env KEY=VALUE`: a malformed one is a startup error, never silently dropped. */
+function envPair(text: string, option: string): [string, string] {
+  const i = text.indexOf('=');
+  if (i <= 0 || !/^[A-Za-z_][A-Za-z0-9_]*$/.test(text.slice(0, i))) throw new UsageError(`${option} expects KEY=VALUE, got ${JSON.stringify(text)}`, option);
+  return [text.slice(0, i), text.slice(i + 1)];
 }
 
-async function main(): Promise<void> {
-  const { values } = parseArgs({
-    options: {
-      listen: { type: 'string', multiple: true },
-      root: { type: 'string', default: '/work' },
-      'mount-point': { type: 'string', default: '/work' },
-      'run-as': { type: 'string' },
-      home: { type: 'string' },
-      'timeout-ms': { type: 'string', default: '600000' },
-      'max-output': { type: 'string', default: String(16 * 1024 * 1024) },
-      'log-level': { type: 'string' },
-      'kill-on-exit': { type: 'boolean', default: false },
-      guest: { type: 'boolean', default: false },
-      'overlay-upper': { type: 'string' },
-      'workload-cgroup': { type: 'string' },
-      env: { type: 'string', multiple: true },
-      help: { type: 'boolean', short: 'h' },
-    },
-  });
-  if (values.help) {
-    process.stdout.write(HELP + '\n');
-    return;
-  }
-  const log = createLogger({ name: 'hutch-agent', level: parseLogLevel(values['log-level'] ?? process.env['HUTCH_LOG_LEVEL']) });
-  const specs = (values.listen ?? []).map(parseListenSpec);
-  if (specs.length === 0) throw new HutchError('bad_request', 'at least one --listen is required (see --help)');
+function runAs(text: string, option: string): { uid: number; gid: number } {
+  const m = /^(\d+):(\d+)$/.exec(text);
+  if (!m) throw new UsageError(`${option} expects UID:GID, got ${JSON.stringify(text)}`, option);
+  return { uid: Number(m[1]), gid: Number(m[2]) };
+}
 
-  let uid: number | undefined;
-  let gid: number | undefined;
-  if (values['run-as']) {
-    const m = /^(\d+):(\d+)$/.exec(values['run-as']);
-    if (!m) throw new HutchError('bad_request', `--run-as expects UID:GID, got ${values['run-as']}`);
-    uid = Number(m[1]);
-    gid = Number(m[2]);
-  }
+const AGENT = new Command({
+  name: 'hutch-agent',
+  usage: '--listen SPEC [--listen SPEC ...] [options]',
+  summary: `Serves exec, file tools and workspace sync to the hutch broker (protocol v${PROTOCOL_VERSION}).`,
+  options: {
+    listen: { arg: 'SPEC', help: 'unix:PATH | vport:NAME | vsock:PORT (repeatable; at least one)', multiple: true, parse: (t: string) => parseListenSpec(t) },
+    root: { arg: 'DIR', help: 'workspace root (default /work)', default: '/work' },
+    'mount-point': { arg: 'DIR', help: 'where tenants see the workspace (default /work)', default: '/work' },
+    'run-as': { arg: 'UID:GID', help: "identity for tenant commands and created files (default: the agent's own)", parse: runAs },
+    home: { arg: 'DIR', help: "HOME for tenant commands (default: /home/tenant with --run-as, else the agent's)" },
+    'timeout-ms': { arg: 'N', help: 'default exec timeout (default 600000)', default: '600000', parse: int(1) },
+    'max-output': { arg: 'N', help: 'default bytes kept per output stream (default 16777216)', default: String(16 * 1024 * 1024), parse: int(1) },
+    'kill-on-exit': { help: 'kill what a command leaves running when it exits (an agent on a host, not in a VM)' },
+    guest: { help: 'this agent owns its machine (a VM): it may set the clock and manage memory' },
+    'overlay-upper': { arg: 'DIR', help: "the root overlay's upper directory (dirtiness: writes outside /work, /tmp)" },
+    'workload-cgroup': { arg: 'D', help: 'cgroup v2 directory tenant commands run in' },
+    env: { arg: 'KEY=VALUE', help: "extra environment for tenant commands (repeatable; a template's --env)", multiple: true, parse: envPair },
+    'log-level': { arg: 'L', help: 'debug | info | warn | error (default info; env HUTCH_LOG_LEVEL)', env: 'HUTCH_LOG_LEVEL', parse: logLevel },
+  },
+});
+
+async function main(): Promise<void> {
+  const parsed = AGENT.parse(process.argv.slice(2));
+  if (!parsed) return;
+  const values = parsed.values;
+  const log = createLogger({ name: 'hutch-agent', level: values['log-level'] ?? 'info' });
+  const specs = values.listen;
+  if (specs.length === 0) throw new UsageError('at least one --listen is required (see --help)', '--listen');
+  const uid = values['run-as']?.uid;
+  const gid = values['run-as']?.gid;
   const home = values.home ?? (uid === undefined ? userInfo().homedir : uid === 0 ? '/root' : '/home/tenant');
   const agent = new Agent({
     root: values.root,
@@ -88,12 +62,12 @@ async function main(): Promise<void> {
         HOME: home,
         LANG: 'C.UTF-8',
         TERM: 'dumb',
-        ...tenantEnv(values.env ?? []),
+        ...Object.fromEntries(values.env),
       },
       uid,
       gid,
-      defaultTimeoutMs: Number(values['timeout-ms']),
-      defaultMaxOutputBytes: Number(values['max-output']),
+      defaultTimeoutMs: values['timeout-ms'],
+      defaultMaxOutputBytes: values['max-output'],
       killGroupOnExit: values['kill-on-exit'],
     },
     caps: probeCapabilities(),
@@ -105,7 +79,7 @@ async function main(): Promise<void> {
 
   const listeners: Listener[] = [];
   for (const spec of specs) listeners.push(await listen(agent, spec, log));
-  log.info('agent.listening', { listen: values.listen, root: agent.ws.root, pid: process.pid });
+  log.info('agent.listening', { listen: specs, root: agent.ws.root, pid: process.pid });
 
   const stop = async (sig: string) => {
     log.info('agent.stopping', { signal: sig });
@@ -150,5 +124,6 @@ async function listen(agent: Agent, spec: ListenSpec, log: ReturnType<typeof cre
 main().catch((err: unknown) => {
   const e = err instanceof HutchError ? err : new HutchError('internal', (err as Error).message);
   process.stderr.write(JSON.stringify({ level: 'error', name: 'hutch-agent', msg: 'agent.fatal', code: e.code, error: e.message }) + '\n');
-  process.exit(2);
+  // 2: the command line was wrong; 1: the agent failed.
+  process.exit(isUsageError(err) ? 2 : 1);
 });

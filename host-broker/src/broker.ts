@@ -160,6 +160,8 @@ export class Broker {
   readonly cluster: ClusterMember | undefined;
   /** Set by drain(): new work is refused with `unavailable`, calls in flight finish. */
   private draining = false;
+  /** Until start() has finished (listening, registered), and again once stopping: /readyz says not ready. */
+  private started = false;
   port = 0;
   metricsPort = 0;
 
@@ -206,6 +208,7 @@ export class Broker {
     );
     this.sendBudget = new SendBudget(sendLimits({ ...DEFAULT_WS_LIMITS, ...opts.limits }));
     this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log, send: this.sendBudget });
+    this.metrics.buildInfo.set({ version: BROKER_VERSION, backend: opts.backend.name, accel: opts.backend.accel ?? 'none' }, 1);
     this.cluster = opts.cluster ? new ClusterMember(opts.cluster, this, this.principals, opts.log) : undefined;
   }
 
@@ -236,6 +239,12 @@ export class Broker {
           res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: true }));
           return true;
         }
+        if (req.url === '/readyz') {
+          // Readiness: whether new work should come here (a Service's endpoints, a gateway's placements).
+          const why = this.notReady();
+          res.writeHead(why ? 503 : 200, { 'content-type': 'application/json' }).end(JSON.stringify(why ? { ready: false, reason: why } : { ready: true }));
+          return true;
+        }
         if (McpHttpEndpoint.matches(req.url)) return this.mcp.handle(req, res, principal, bearer(req)).then(() => true);
         if (E2bEndpoint.matches(req.url)) return this.e2b.handle(req, res, authenticated).then(() => true);
         if (req.url === '/metrics' || req.url?.startsWith('/metrics?')) {
@@ -255,8 +264,16 @@ export class Broker {
       this.metricsServer = m.server;
       this.metricsPort = m.port;
     }
+    this.started = true;
     this.opts.log.info('broker.listening', { port: this.port, ...(this.metricsServer ? { metricsPort: this.metricsPort } : {}), backend: this.opts.backend.name, isolation: this.opts.backend.isolation, policy: this.policy, principals: this.principals.names, adoptedSessions: adopted });
     return this.port;
+  }
+
+  /** Why the broker should get no new work now, or undefined when it should. */
+  notReady(): string | undefined {
+    if (this.draining) return 'draining';
+    if (!this.started) return 'starting';
+    return this.opts.backend.notReady?.();
   }
 
   /**
@@ -309,6 +326,7 @@ export class Broker {
   }
 
   async stop(): Promise<void> {
+    this.started = false;
     await this.cluster?.deregister();
     this.cluster?.close();
     await new Promise<void>((r) => (this.metricsServer ? this.metricsServer.close(() => r()) : r()));
@@ -377,6 +395,7 @@ export class Broker {
         const stream = p.stream ?? false;
         return this.sessions.get(p.session, who).call(p.tool, p.args, {
           signal: ctx.signal,
+          routed: ctx.logFields,
           onSignalable: (send) => ctx.onSignal(send),
           ...(stream ? { onStdout: (c: Uint8Array) => ctx.out(1, c), onStderr: (c: Uint8Array) => ctx.out(2, c) } : {}),
         });

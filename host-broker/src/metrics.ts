@@ -51,6 +51,7 @@ export class BrokerMetrics {
   readonly syncBytes = new Counter({ name: 'hutch_sync_bytes_total', help: 'Workspace bytes moved between host and guests', labelNames: ['direction'], registers: [this.registry] });
   readonly liveVms = new Gauge({ name: 'hutch_live_vms', help: 'VMs running now', registers: [this.registry] });
   readonly sessions = new Gauge({ name: 'hutch_sessions', help: 'Open sessions', registers: [this.registry] });
+  readonly buildInfo = new Gauge({ name: 'hutch_build_info', help: "Always 1: this broker's version, backend and accelerator (kvm, tcg, or none)", labelNames: ['version', 'backend', 'accel'], registers: [this.registry] });
   readonly standbyVms = new Gauge({ name: 'hutch_standby_vms', help: 'Standby VMs ready to take, and being prepared', labelNames: ['state'], registers: [this.registry] });
   readonly memoryBudget = new Gauge({ name: 'hutch_memory_budget_mib', help: 'Host memory the broker lets its VMs reserve (--memory-budget-mib)', registers: [this.registry] });
   readonly memoryReserved = new Gauge({ name: 'hutch_memory_reserved_mib', help: 'Memory budget reserved, by live VMs, by standby VMs (which give theirs up to a wake) and by running fast-path commands', labelNames: ['holder'], registers: [this.registry] });

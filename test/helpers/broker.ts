@@ -3,7 +3,7 @@ import { mkdtempSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
-import { createLogger } from '../../guest-agent/src/log.ts';
+import { createLogger, type Logger } from '../../guest-agent/src/log.ts';
 import { Broker, type BrokerOptions } from '../../host-broker/src/broker.ts';
 import { createBackend } from '../../host-broker/src/backends/registry.ts';
 import type { VmBackend } from '../../host-broker/src/backends/backend.ts';
@@ -53,11 +53,13 @@ export async function startBroker(
     maxSessionsPerPrincipal?: number;
     /** Disk the snapshot slots may take. */
     slotDisk?: BrokerOptions['slotDisk'];
+    /** The broker's logger (default: warnings and errors on stderr). */
+    log?: Logger;
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
   const token = randomBytes(12).toString('hex');
-  const log = createLogger({ name: 'hutch-broker', level: 'warn' });
+  const log = o.log ?? createLogger({ name: 'hutch-broker', level: 'warn' });
   const fastPath = await createFastPath(log);
   const backend = await createBackend(o.backend ?? 'unsafe-local', { log, dataDir, fastPath, acknowledgeUnsafeLocal: true, ...(o.standby !== undefined ? { standby: o.standby } : {}) });
   const broker = new Broker({

@@ -7,7 +7,7 @@ export const DEFAULT_PRINCIPAL = 'default';
 
 const NAME = /^[A-Za-z0-9_.-]{1,64}$/;
 /** Shorter tokens are guessable over a fast loopback; refuse them rather than warn. */
-const MIN_TOKEN_CHARS = 16;
+export const MIN_TOKEN_CHARS = 16;
 
 /**
  * Named bearer tokens. A principal owns the sessions it creates; another principal's

@@ -33,6 +33,8 @@ export interface OpContext {
   binary: boolean;
   /** The connection: an id for state that outlives one request (a streamed upload), aborted when it closes. */
   connection: { id: number; closed: AbortSignal };
+  /** What the handler learnt that the request's log line should say (a call's route). */
+  logFields: { route?: string };
 }
 
 type SignalName = z.infer<typeof SignalSchema>;
@@ -405,6 +407,7 @@ export class WsServer {
         onSignal: (deliver) => void signallers.set(id, deliver),
         binary: isBinary,
         connection: { id: connection.id, closed: connection.ac.signal },
+        logFields: {},
       };
       const signalOf = (callId: number) => {
         const ac = inflight.get(callId);
@@ -413,12 +416,23 @@ export class WsServer {
       // A request starts once what was made for this client fits its bounds again (a signal
       // at once: it makes little and may stop a call that makes much).
       const handled = op === 'signal' ? this.signal(p, signalOf) : sender.room().then(() => this.opts.handle(op as OpName, p, ctx));
+      // One line per request, on the connection's logger (remote, principal): a failure at
+      // warn (error when internal), a success at debug, with what an operator looks up by.
+      const started = performance.now();
+      const about = () => {
+        const session = (p as { session?: unknown } | undefined)?.session;
+        return { req: `${connection.id}:${id}`, op, ...(typeof session === 'string' ? { session } : {}), ...ctx.logFields, ms: Math.round(performance.now() - started) };
+      };
       handled
         .then(
-          (r) => ({ t: 'res', id, r }),
+          (r) => {
+            log.debug('op.done', about());
+            return { t: 'res', id, r };
+          },
           (err: unknown) => {
             const e = toHutchError(err);
-            if (e.code === 'internal') log.error('op.failed', { op, error: e.message, stack: (err as Error).stack });
+            if (e.code === 'internal') log.error('op.failed', { ...about(), code: e.code, error: e.message, stack: (err as Error).stack });
+            else log.warn('op.failed', { ...about(), code: e.code, error: e.message });
             return { t: 'res', id, e: this.redact(e.toWire()) };
           },
         )

@@ -197,6 +197,8 @@ export interface VmBackend {
   pristineKey?(spec: SandboxSpec): Promise<string>;
   /** Standby VMs (restored and warmed ahead of wakes): ready to take, and being prepared. */
   standbyStats?(): { ready: number; filling: number };
+  /** Why it cannot serve a wake now (its guest image gone from the cache, say), for /readyz; undefined when it can. */
+  notReady?(): string | undefined;
   /** Standby VMs count against the broker's memory budget from now on (the broker calls it once it has one). */
   attachMemoryBudget?(budget: StandbyRoom): void;
   /** Starts a sandbox: from a slot when given (the session's last dirty state), else fresh. */

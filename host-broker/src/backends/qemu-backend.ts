@@ -1,4 +1,4 @@
-import { mkdirSync, readFileSync, rmSync, statSync, utimesSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, rmSync, statSync, utimesSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
@@ -50,6 +50,16 @@ export interface QemuBackendOptions {
   standby?: number;
   /** A standby not taken within this many ms is stopped (default 10 minutes). */
   standbyIdleMs?: number;
+}
+
+/** What a broker without KVM loses, and how to find out why it has none. */
+export function tcgWarning(why: string): string {
+  return (
+    `no KVM (${why}): VMs run under QEMU's TCG, which emulates every guest instruction, so booting, waking and running commands in a VM ` +
+    'take seconds where KVM takes milliseconds, and a host holds far fewer busy tenants. To check KVM: `ls -l /dev/kvm` (it must exist and be ' +
+    'readable and writable by this user), `grep -cwE "vmx|svm" /proc/cpuinfo` (0: virtualization is off in the firmware, or the hypervisor ' +
+    'below this machine does not pass it through: enable nested virtualization there), `lsmod | grep kvm` (kvm_intel or kvm_amd loaded).'
+  );
 }
 
 /** A VM restored from a pristine snapshot and warmed, waiting for a session (vm/standby-pool.ts). */
@@ -121,8 +131,9 @@ export class QemuBackend implements VmBackend {
   }
 
   static async create(opts: QemuBackendOptions): Promise<QemuBackend> {
-    const image = await ensureGuestImage({ ...(opts.kernel ? { kernel: opts.kernel } : {}), ...(opts.noBuild ? { noBuild: true } : {}), log: (m) => opts.log.info('guest.build', { msg: m }) });
+    const image = await ensureGuestImage({ ...(opts.kernel ? { kernel: opts.kernel } : {}), ...(opts.noBuild ? { noBuild: true } : {}), log: (m, part) => opts.log.info('guest.build', { ...(part ? { part } : {}), detail: m }) });
     const accel = await chooseAccel(image.kernel, { cacheDir: opts.cacheDir, log: opts.log, ...(opts.accel ? { force: opts.accel } : {}) });
+    if (accel.accel === 'tcg' && !opts.accel) opts.log.warn('accel.tcg', { why: accel.reason, text: tcgWarning(accel.reason) });
     // Under TCG the guest's TSC is the host's: telling the kernel its frequency skips the
     // calibration that is slow and flaky in an emulator.
     const tscKhz = accel.accel === 'tcg' ? (await hostTscKhz()).khz : undefined;
@@ -142,6 +153,13 @@ export class QemuBackend implements VmBackend {
 
   attachMemoryBudget(budget: StandbyRoom): void {
     this.budget = budget;
+  }
+
+  /** The guest image's files are all still there (an operator may wipe the cache under a running broker). */
+  notReady(): string | undefined {
+    const parts: Array<[string, string | undefined]> = [['kernel', this.image.kernel], ['initrd', this.image.initrd], ['agent layer', this.image.agentLayer], ['root filesystem', this.image.rootfs]];
+    const missing = parts.filter(([, f]) => f !== undefined && !existsSync(f)).map(([name]) => name);
+    return missing.length ? `the guest image's ${missing.join(', ')} is missing from the cache: run hutch prepare` : undefined;
   }
 
   standbyStats(): { ready: number; filling: number } {

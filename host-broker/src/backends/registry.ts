@@ -7,11 +7,9 @@ import { UnsafeLocalBackend } from './local-backend.ts';
 import type { FastPath } from '../fastpath/index.ts';
 import { QemuBackend } from './qemu-backend.ts';
 import type { KernelChoice } from '../vm/guest-image.ts';
+import { BACKEND_NAMES, UNSAFE_LOCAL_ACK_FLAG } from './names.ts';
 
-export const BACKEND_NAMES = ['qemu', 'unsafe-local'] as const;
-
-/** The flag that acknowledges what unsafe-local is; it must be given with `--backend unsafe-local`. */
-export const UNSAFE_LOCAL_ACK_FLAG = '--i-know-unsafe-local';
+export { BACKEND_NAMES, UNSAFE_LOCAL_ACK_FLAG };
 
 export interface BackendDeps {
   log: Logger;

@@ -178,6 +178,7 @@ function shellQuote(s: string): string {
 export class E2bEndpoint {
   private readonly sandboxes = new Map<string, Sandbox>();
   private nextPid = 1000;
+  private requestSeq = 0;
   /** Upload bodies the broker holds at once (tests read it). */
   readonly bodies = new ByteBudget(BODIES_TOTAL_BYTES, BODIES_PER_PRINCIPAL_BYTES, 'E2B upload');
 
@@ -228,6 +229,17 @@ export class E2bEndpoint {
       if (url.pathname.startsWith(`${API_PREFIX}/`)) await this.api(req, res, url.pathname.slice(API_PREFIX.length), url.searchParams, authenticated);
       else await this.envd(req, res, url.pathname.slice(ENVD_PREFIX.length), url.searchParams, authenticated);
     } catch (err) {
+      // One line per failed request, as the WebSocket API logs its own.
+      const key = req.headers['x-api-key'];
+      const sandbox = req.headers['e2b-sandbox-id'];
+      this.o.log.warn('e2b.failed', {
+        req: `e2b:${++this.requestSeq}`,
+        route: `${req.method ?? 'GET'} ${url.pathname}`,
+        ...(typeof key === 'string' ? { principal: this.o.principals.authenticate(key) ?? '(unknown key)' } : {}),
+        ...(typeof sandbox === 'string' ? { session: sandbox.slice(0, 80) } : {}),
+        code: err instanceof ApiError ? err.status : err instanceof HutchError ? err.code : 'internal',
+        error: (err as Error).message,
+      });
       if (res.headersSent) {
         res.destroy();
         return;
@@ -235,10 +247,7 @@ export class E2bEndpoint {
       if (err instanceof ApiError) apiError(res, err.status, err.message);
       // A principal at its session limit is E2B's concurrent-sandbox limit: 429, as E2B answers it.
       else if (err instanceof HutchError) apiError(res, err.code === 'not_found' ? 404 : err.code === 'bad_request' ? 400 : err.code === 'quota_exceeded' ? 429 : 500, `${err.code}: ${err.message}`);
-      else {
-        this.o.log.warn('e2b.error', { error: (err as Error).message });
-        apiError(res, 500, 'internal error');
-      }
+      else apiError(res, 500, 'internal error');
     }
   }
 

@@ -1,148 +1,126 @@
 /**
- * `hutch gateway` and the flags that make `hutch serve` a cluster member. Kept here so the
- * main CLI only dispatches to it.
+ * `hutch gateway` and the options that make `hutch serve` a cluster member. Options are
+ * checked before the gateway (or broker) is loaded; main() then imports it.
  */
-import { readFileSync } from 'node:fs';
-import { parseArgs } from 'node:util';
-import { createLogger, parseLogLevel } from '../../../guest-agent/src/log.ts';
-import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
-import { Principals, parseTokens } from '../api/principals.ts';
+import { Command, fileText, int, logLevel, port, UsageError, type OptionSpec } from '../../../guest-agent/src/cli-options.ts';
 import type { ClusterOptions } from '../catalog/member.ts';
-import { Gateway } from './gateway.ts';
+import { TOKEN_OPTIONS, tokensFrom } from '../cli/tokens.ts';
+import { GatewayCredential } from './credential.ts';
 
-export const GATEWAY_HELP = `gateway options (hutch gateway: one endpoint in front of many brokers):
-  --port N          TCP port (default 7080; 0 picks a free one)
-  --host ADDR       listen address (default 127.0.0.1)
-  --token T / --tokens-file F
-                    tenant tokens, as for serve (env HUTCH_TOKEN); checked here, carried to brokers
-  --catalog URL     the catalog, redis://host:port or rediss://host:port (TLS; env HUTCH_CATALOG)
-  --gateway-token-file F
-                    the gateway-to-broker credential (env HUTCH_GATEWAY_TOKEN), shared with the brokers
-  --sample K        brokers sampled per placement (default 2)
-  --metrics-port N  also serve /metrics without a token on this port; --metrics-host A (default 127.0.0.1)
-  --drain-ms N      on SIGTERM, /healthz answers 503 and calls in flight get this long to finish (default 10000)
-  --max-connections N, --max-frame-mib N, --log-level L, --ready-json: as for serve
+function catalogUrl(text: string, option: string): string {
+  if (!/^rediss?:\/\/[^/]+/.test(text)) throw new UsageError(`${option} must be redis://HOST:PORT or rediss://HOST:PORT (TLS), got ${JSON.stringify(text)}`, option);
+  return text;
+}
 
-cluster options of serve (a broker behind gateways):
-  --catalog URL     register in this catalog, redis:// or rediss:// (TLS) (env HUTCH_CATALOG); without it the broker stands alone
-  --broker-id ID    stable id of this broker (default: the host name; its sessions live on this node)
-  --advertise-url U where gateways reach this broker (default ws://<host name>:<port>)
-  --lease-ms N      registration lease, renewed every third of it (default 10000)
-  --advertise-template T
-                    a template this broker can create sessions from (repeatable)
-  --gateway-token-file F
-                    the gateway credential (env HUTCH_GATEWAY_TOKEN): required with --catalog
-  --drain-ms N      on SIGTERM, how long calls in flight may take to finish (default 60000)
-`;
+function wsUrl(text: string, option: string): string {
+  if (!/^wss?:\/\/[^/]+/.test(text)) throw new UsageError(`${option} must be ws://HOST:PORT or wss://HOST:PORT, got ${JSON.stringify(text)}`, option);
+  return text;
+}
 
-/** parseArgs options `hutch serve` adds for cluster membership. */
-export const CLUSTER_SERVE_FLAGS = {
-  catalog: { type: 'string' },
-  'broker-id': { type: 'string' },
-  'advertise-url': { type: 'string' },
-  'lease-ms': { type: 'string' },
-  'advertise-template': { type: 'string', multiple: true },
-  'gateway-token-file': { type: 'string' },
-  'drain-ms': { type: 'string' },
-} as const;
+const CREDENTIAL = {
+  'gateway-token-file': { arg: 'F', help: 'the gateway-to-broker credential, shared with the brokers (env HUTCH_GATEWAY_TOKEN)', parse: fileText },
+} satisfies Record<string, OptionSpec>;
 
-type ClusterFlagValues = { [K in keyof typeof CLUSTER_SERVE_FLAGS]?: (typeof CLUSTER_SERVE_FLAGS)[K] extends { multiple: true } ? string[] : string };
+/** The options `hutch serve` adds for cluster membership. */
+export const CLUSTER_OPTIONS = {
+  catalog: { arg: 'URL', help: 'register in this catalog, redis:// or rediss:// (env HUTCH_CATALOG); without it the broker stands alone', env: 'HUTCH_CATALOG', parse: catalogUrl, group: 'cluster (a broker behind gateways)' },
+  'broker-id': { arg: 'ID', help: "this broker's stable id (default: the host name; its sessions live on this node)", group: 'cluster (a broker behind gateways)' },
+  'advertise-url': { arg: 'U', help: 'where gateways reach this broker (default ws://<host name>:<port>)', parse: wsUrl, group: 'cluster (a broker behind gateways)' },
+  'lease-ms': { arg: 'N', help: 'registration lease, renewed every third of it (default 10000)', parse: int(1), group: 'cluster (a broker behind gateways)' },
+  'advertise-template': { arg: 'T', help: 'a template this broker can create sessions from (repeatable)', multiple: true, group: 'cluster (a broker behind gateways)' },
+  'gateway-token-file': { ...CREDENTIAL['gateway-token-file'], help: 'the gateway credential (env HUTCH_GATEWAY_TOKEN): required with --catalog', group: 'cluster (a broker behind gateways)' },
+} satisfies Record<string, OptionSpec>;
 
-/** The broker's cluster options from its flags (undefined: a standalone broker). */
-export function clusterFromFlags(v: ClusterFlagValues): { cluster?: ClusterOptions } {
-  const catalogUrl = v.catalog ?? process.env['HUTCH_CATALOG'];
-  if (!catalogUrl) return {};
+type ClusterValues = { catalog?: string | undefined; 'broker-id'?: string | undefined; 'advertise-url'?: string | undefined; 'lease-ms'?: number | undefined; 'advertise-template'?: string[]; 'gateway-token-file'?: string | undefined };
+
+/** The gateway credential, checked (at least 32 characters, no tenant's token). */
+function gatewayCredential(v: { 'gateway-token-file'?: string | undefined }, tenantTokens: Record<string, string>, env: NodeJS.ProcessEnv = process.env): string | undefined {
+  const source = v['gateway-token-file'] !== undefined ? '--gateway-token-file' : 'HUTCH_GATEWAY_TOKEN';
+  const token = v['gateway-token-file']?.trim() ?? env['HUTCH_GATEWAY_TOKEN'];
+  if (!token) return undefined;
+  try {
+    new GatewayCredential(token);
+  } catch (err) {
+    throw new UsageError(`${source}: ${(err as Error).message}`, source);
+  }
+  if (Object.values(tenantTokens).includes(token)) throw new UsageError(`${source}: the gateway credential must differ from every tenant token`, source);
+  return token;
+}
+
+/** The broker's cluster options (undefined: a standalone broker). */
+export function clusterFromFlags(v: ClusterValues, tenantTokens: Record<string, string>): { cluster?: ClusterOptions } {
+  if (!v.catalog) return {};
+  const gatewayToken = gatewayCredential(v, tenantTokens);
+  if (!gatewayToken) throw new UsageError('a cluster member needs the gateway credential: --gateway-token-file F or env HUTCH_GATEWAY_TOKEN', '--catalog');
   return {
     cluster: {
-      catalogUrl,
-      gatewayToken: gatewayCredential(v['gateway-token-file']),
+      catalogUrl: v.catalog,
+      gatewayToken,
       ...(v['broker-id'] ? { brokerId: v['broker-id'] } : {}),
       ...(v['advertise-url'] ? { advertiseUrl: v['advertise-url'] } : {}),
-      ...(v['lease-ms'] ? { leaseMs: positiveInt('--lease-ms', v['lease-ms']) } : {}),
-      ...(v['advertise-template'] ? { templates: v['advertise-template'] } : {}),
+      ...(v['lease-ms'] !== undefined ? { leaseMs: v['lease-ms'] } : {}),
+      ...(v['advertise-template']?.length ? { templates: v['advertise-template'] } : {}),
     },
   };
 }
 
-/** --drain-ms, default one minute. */
-export function drainMsFromFlags(v: ClusterFlagValues): number {
-  return v['drain-ms'] !== undefined ? positiveInt('--drain-ms', v['drain-ms']) : 60_000;
-}
-
-function gatewayCredential(file: string | undefined): string {
-  const token = file ? readText(file, '--gateway-token-file').trim() : process.env['HUTCH_GATEWAY_TOKEN'];
-  if (!token) throw new HutchError('bad_request', 'a cluster member needs the gateway credential: --gateway-token-file F or env HUTCH_GATEWAY_TOKEN');
-  return token;
-}
-
-function readText(path: string, flag: string): string {
-  try {
-    return readFileSync(path, 'utf8');
-  } catch (err) {
-    throw new HutchError('not_found', `cannot read ${flag} ${path}: ${(err as Error).message}`);
-  }
-}
-
-function positiveInt(flag: string, v: string): number {
-  const n = Number(v);
-  if (!Number.isInteger(n) || n <= 0) throw new HutchError('bad_request', `${flag} must be a whole number > 0, got ${JSON.stringify(v)}`);
-  return n;
-}
+export const GATEWAY = new Command({
+  name: 'hutch gateway',
+  summary: 'One endpoint in front of many brokers: routes each session to its broker, places new ones, checks tokens.',
+  options: {
+    port: { arg: 'N', help: 'TCP port (default 7080; 0 picks a free one)', default: '7080', parse: port },
+    host: { arg: 'ADDR', help: 'listen address (default 127.0.0.1)', default: '127.0.0.1' },
+    ...TOKEN_OPTIONS,
+    catalog: { arg: 'URL', help: 'the catalog, redis://HOST:PORT or rediss://HOST:PORT (TLS) (env HUTCH_CATALOG)', env: 'HUTCH_CATALOG', parse: catalogUrl },
+    ...CREDENTIAL,
+    sample: { arg: 'K', help: 'brokers sampled per placement (default 2)', parse: int(1, 64) },
+    'metrics-port': { arg: 'N', help: 'also serve /metrics without a token on this port', parse: port },
+    'metrics-host': { arg: 'A', help: 'address for --metrics-port (default 127.0.0.1)', default: '127.0.0.1' },
+    'drain-ms': { arg: 'N', help: 'on SIGTERM, /readyz answers 503 and calls in flight get this long (default 10000)', default: '10000', parse: int(1) },
+    'max-connections': { arg: 'N', help: 'open WebSockets per principal (default 32)', parse: int(1) },
+    'max-frame-mib': { arg: 'N', help: 'largest WebSocket message, MiB (default 64)', parse: int(1, 1024) },
+    'log-level': { arg: 'L', help: 'debug | info | warn | error (default info)', env: 'HUTCH_LOG_LEVEL', parse: logLevel },
+    'ready-json': { help: 'print one JSON line {"url","port",...} on stdout when listening' },
+  },
+});
 
 export async function gatewayMain(args: string[]): Promise<void> {
-  const { values } = parseArgs({
-    args,
-    options: {
-      port: { type: 'string', default: '7080' },
-      host: { type: 'string', default: '127.0.0.1' },
-      token: { type: 'string' },
-      'tokens-file': { type: 'string' },
-      catalog: { type: 'string' },
-      'gateway-token-file': { type: 'string' },
-      sample: { type: 'string' },
-      'metrics-port': { type: 'string' },
-      'metrics-host': { type: 'string', default: '127.0.0.1' },
-      'max-connections': { type: 'string' },
-      'max-frame-mib': { type: 'string' },
-      'log-level': { type: 'string' },
-      'ready-json': { type: 'boolean', default: false },
-      'drain-ms': { type: 'string' },
-      help: { type: 'boolean', short: 'h' },
-    },
-  });
-  if (values.help) {
-    process.stdout.write(GATEWAY_HELP);
-    return;
-  }
-  const log = createLogger({ name: 'hutch-gateway', level: parseLogLevel(values['log-level'] ?? process.env['HUTCH_LOG_LEVEL']) });
-  const token = values.token ?? process.env['HUTCH_TOKEN'];
-  const tokens = { ...(token !== undefined ? { default: token } : {}), ...(values['tokens-file'] ? parseTokens(readText(values['tokens-file'], '--tokens-file'), values['tokens-file']) : {}) };
-  const catalogUrl = values.catalog ?? process.env['HUTCH_CATALOG'];
-  if (!catalogUrl) throw new HutchError('bad_request', 'hutch gateway needs --catalog redis://host:port (or env HUTCH_CATALOG)');
+  const parsed = GATEWAY.parse(args);
+  if (!parsed) return;
+  const v = parsed.values;
+  const { tokens } = tokensFrom(v);
+  if (Object.keys(tokens).length === 0) throw new UsageError('hutch gateway needs tenant tokens: --token-file F, --tokens-file F or env HUTCH_TOKEN', '--tokens-file');
+  if (!v.catalog) throw new UsageError('hutch gateway needs --catalog redis://HOST:PORT (or env HUTCH_CATALOG)', '--catalog');
+  const credential = gatewayCredential(v, tokens);
+  if (!credential) throw new UsageError('hutch gateway needs the gateway credential: --gateway-token-file F or env HUTCH_GATEWAY_TOKEN', '--gateway-token-file');
+  if (v['metrics-port'] !== undefined && v['metrics-port'] !== 0 && v['metrics-port'] === v.port) throw new UsageError(`--metrics-port ${v['metrics-port']} is --port too: give it a port of its own`, '--metrics-port');
+
+  const [{ createLogger }, { Principals }, { Gateway }] = await Promise.all([import('../../../guest-agent/src/log.ts'), import('../api/principals.ts'), import('./gateway.ts')]);
+  const log = createLogger({ name: 'hutch-gateway', level: v['log-level'] ?? 'info' });
   const gw = new Gateway({
-    port: Number(values.port),
-    host: values.host,
+    port: v.port,
+    host: v.host,
     principals: new Principals(tokens),
-    catalogUrl,
-    credential: gatewayCredential(values['gateway-token-file']),
+    catalogUrl: v.catalog,
+    credential,
     log,
-    ...(values.sample !== undefined ? { sampleK: positiveInt('--sample', values.sample) } : {}),
-    ...(values['metrics-port'] !== undefined ? { metricsListen: { host: values['metrics-host'], port: Number(values['metrics-port']) } } : {}),
+    ...(v.sample !== undefined ? { sampleK: v.sample } : {}),
+    ...(v['metrics-port'] !== undefined ? { metricsListen: { host: v['metrics-host'], port: v['metrics-port'] } } : {}),
     limits: {
-      ...(values['max-frame-mib'] !== undefined ? { maxPayloadBytes: positiveInt('--max-frame-mib', values['max-frame-mib']) * 1024 * 1024 } : {}),
-      ...(values['max-connections'] !== undefined ? { maxConnectionsPerPrincipal: positiveInt('--max-connections', values['max-connections']) } : {}),
+      ...(v['max-frame-mib'] !== undefined ? { maxPayloadBytes: v['max-frame-mib'] * 1024 * 1024 } : {}),
+      ...(v['max-connections'] !== undefined ? { maxConnectionsPerPrincipal: v['max-connections'] } : {}),
     },
   });
   await gw.start();
-  const url = `ws://${values.host}:${gw.port}`;
-  const ready = `${JSON.stringify({ url, port: gw.port, host: values.host, ...(gw.metricsPort ? { metricsPort: gw.metricsPort } : {}) })}\n`;
-  process.stdout.write(values['ready-json'] ? ready : `hutch gateway on ${url}  catalog ${catalogUrl}\n`);
+  const url = `ws://${v.host}:${gw.port}`;
+  const ready = `${JSON.stringify({ url, port: gw.port, host: v.host, ...(gw.metricsPort ? { metricsPort: gw.metricsPort } : {}) })}\n`;
+  process.stdout.write(v['ready-json'] ? ready : `hutch gateway on ${url}  catalog ${v.catalog}\n`);
   let stopping = false;
   const stop = async (sig: string) => {
     if (stopping) return;
     stopping = true;
     log.info('gateway.signal', { signal: sig });
-    if (sig === 'SIGTERM') await gw.drain(values['drain-ms'] !== undefined ? positiveInt('--drain-ms', values['drain-ms']) : 10_000);
+    if (sig === 'SIGTERM') await gw.drain(v['drain-ms']);
     await gw.stop();
     process.exit(0);
   };

@@ -137,7 +137,7 @@ export class Gateway {
   }
 
   /**
-   * SIGTERM: /healthz turns 503 (a readiness probe takes the gateway out of its Service) and
+   * SIGTERM: /readyz turns 503 (a readiness probe takes the gateway out of its Service) and
    * requests in flight get up to `timeoutMs` to finish before stop() closes the connections;
    * their clients then reconnect to another gateway. Nothing else needs saving: a gateway holds
    * no state of its own.
@@ -160,8 +160,13 @@ export class Gateway {
 
   private async onHttp(req: IncomingMessage, res: ServerResponse, principal: string | undefined, authenticated: () => void): Promise<boolean> {
     if (req.url === '/healthz') {
+      // Liveness only: a draining gateway is alive (restarting it would cut the calls it lets finish).
+      res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: true }));
+      return true;
+    }
+    if (req.url === '/readyz') {
       // Draining: not ready, so the Service stops sending new clients here.
-      res.writeHead(this.draining ? 503 : 200, { 'content-type': 'application/json' }).end(JSON.stringify({ ok: !this.draining, ...(this.draining ? { draining: true } : {}) }));
+      res.writeHead(this.draining ? 503 : 200, { 'content-type': 'application/json' }).end(JSON.stringify(this.draining ? { ready: false, reason: 'draining' } : { ready: true }));
       return true;
     }
     if (McpHttpEndpoint.matches(req.url)) return this.mcp.handle(req, res, principal, bearer(req)).then(() => true);

@@ -10,99 +10,46 @@ import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { parseArgs } from 'node:util';
 import { StdioServerTransport } from '@modelcontextprotocol/sdk/server/stdio.js';
-import { createLogger, parseLogLevel, type Logger } from '../../../guest-agent/src/log.ts';
-import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
+import { createLogger, type LogLevel } from '../../../guest-agent/src/log.ts';
 import type { Broker } from '../broker.ts';
-import type { SandboxPolicy } from '../policy/sandbox-policy.ts';
+import { policyFromFlags } from '../cli/serve-command.ts';
+import { serve } from '../serve.ts';
 import { Hutch } from '../sdk/index.ts';
-import { UNSAFE_LOCAL_ACK_FLAG } from '../backends/registry.ts';
 import { loopbackUrl } from './http.ts';
 import { createMcpServer, HutchLink } from './server.ts';
 
-export const MCP_HELP = `mcp options (hutch mcp: an MCP server on stdin/stdout for a local agent):
-  --url URL         a running broker (ws://HOST:PORT) to use (default: env HUTCH_URL); with no URL,
-                    hutch mcp starts its own broker on a free loopback port and stops it on exit
-  --token T         that broker's token (default: env HUTCH_TOKEN); required with --url
-  own broker only:
-  --backend B       as for serve (default qemu); ${UNSAFE_LOCAL_ACK_FLAG} as for serve
-  --data-dir D      sessions and workspaces (default: a fresh temporary directory, removed on exit)
-  --level L         policy preset, as for serve (default 4)
-  --no-build        use the cached guest image only
-  --log-level L     debug | info | warn | error (default warn; logs go to stderr)
-`;
-
-/** What the CLI lends this command (passed in, so cli.ts and this module do not import each other). */
-export interface McpDeps {
-  serve(o: {
-    port: number;
-    host: string;
-    token: string;
-    dataDir: string;
-    backend?: string;
-    acknowledgeUnsafeLocal?: boolean;
-    policy?: Partial<SandboxPolicy>;
-    policyLevel?: string;
-    noBuild?: boolean;
-    log: Logger;
-  }): Promise<Broker>;
-  policyFromFlags(level: string | undefined, idleMs: string | undefined, idlePolicy: string | undefined): SandboxPolicy;
+/** What `hutch mcp` was told, its options checked (mcp/cli.ts). */
+export interface McpRun {
+  /** A running broker and its token; without one, hutch mcp runs its own. */
+  remote?: { url: string; token: string };
+  own: { backend?: string; acknowledgeUnsafeLocal?: boolean; dataDir?: string; level?: string; noBuild?: boolean };
+  logLevel: LogLevel;
 }
 
-export async function mcpMain(args: string[], deps: McpDeps): Promise<void> {
-  const { values } = parseArgs({
-    args,
-    options: {
-      url: { type: 'string' },
-      token: { type: 'string' },
-      backend: { type: 'string' },
-      'i-know-unsafe-local': { type: 'boolean' },
-      'data-dir': { type: 'string' },
-      level: { type: 'string' },
-      'no-build': { type: 'boolean', default: false },
-      'log-level': { type: 'string' },
-      help: { type: 'boolean', short: 'h' },
-    },
-  });
-  if (values.help) {
-    // Help is asked by a person, not an MCP client: stdout is fine here.
-    process.stdout.write(MCP_HELP);
-    return;
-  }
-  const log = createLogger({ name: 'hutch-mcp', level: parseLogLevel(values['log-level'] ?? process.env['HUTCH_LOG_LEVEL'] ?? 'warn') });
-  const givenUrl = values.url ?? process.env['HUTCH_URL'];
-  if (values.token !== undefined && givenUrl === undefined) throw new HutchError('bad_request', '--token goes with --url (or HUTCH_URL): without a URL hutch mcp runs its own broker with its own token');
-  const ownOnly = ['backend', 'i-know-unsafe-local', 'data-dir', 'level'] as const;
-  if (givenUrl !== undefined) {
-    const stray = ownOnly.filter((k) => values[k] !== undefined);
-    if (stray.length) throw new HutchError('bad_request', `--${stray.join(', --')} configure hutch mcp's own broker; with --url the broker is already running`);
-  }
-
+export async function runMcp(o: McpRun): Promise<void> {
+  const log = createLogger({ name: 'hutch-mcp', level: o.logLevel });
   let broker: Broker | undefined;
   let tempDir: string | undefined;
   let url: string;
   let token: string;
-  if (givenUrl !== undefined) {
-    const t = values.token ?? process.env['HUTCH_TOKEN'];
-    if (t === undefined) throw new HutchError('unauthorized', `--url ${givenUrl} needs --token (or HUTCH_TOKEN)`);
-    url = givenUrl;
-    token = t;
+  if (o.remote) {
+    url = o.remote.url;
+    token = o.remote.token;
   } else {
-    if (values['i-know-unsafe-local'] && values.backend !== 'unsafe-local') throw new HutchError('bad_request', `${UNSAFE_LOCAL_ACK_FLAG} goes with --backend unsafe-local`);
     // Never on argv or in a file: this process is the only client of its broker.
     token = randomBytes(24).toString('hex');
-    const dataDir = values['data-dir'] ?? (tempDir = mkdtempSync(join(tmpdir(), 'hutch-mcp-')));
-    broker = await deps.serve({
+    const dataDir = o.own.dataDir ?? (tempDir = mkdtempSync(join(tmpdir(), 'hutch-mcp-')));
+    broker = await serve({
       port: 0,
       host: '127.0.0.1',
       token,
       dataDir,
-      ...(values.backend ? { backend: values.backend } : {}),
-      ...(values['i-know-unsafe-local'] ? { acknowledgeUnsafeLocal: true } : {}),
-      policyLevel: values.level ?? '4',
-      policy: deps.policyFromFlags(values.level, undefined, undefined),
-      ...(values['no-build'] ? { noBuild: true } : {}),
+      ...(o.own.backend ? { backend: o.own.backend } : {}),
+      ...(o.own.acknowledgeUnsafeLocal ? { acknowledgeUnsafeLocal: true } : {}),
+      policyLevel: o.own.level ?? '4',
+      policy: policyFromFlags(o.own.level, undefined, undefined),
+      ...(o.own.noBuild ? { noBuild: true } : {}),
       log: log.child({ component: 'broker' }),
     });
     url = loopbackUrl('127.0.0.1', broker.port);

@@ -14,6 +14,7 @@ import WebSocket from 'ws';
 import { HutchError, type ErrorCode } from '../../../guest-agent/src/protocol/errors.ts';
 import { SIGNALS as SIGNAL_NAMES, type MethodName, type ResultOf, type SIGNALS } from '../../../guest-agent/src/protocol/methods.ts';
 import {
+  HARNESS_API_VERSION,
   BashResultSchema,
   CallResultSchema,
   ServerMessageSchema,
@@ -168,21 +169,40 @@ export class Hutch {
     ws.on('error', (err) => this.fail(new HutchError('connection_closed', `broker connection error: ${err.message}`)));
   }
 
+  /**
+   * Connects to a broker (or a gateway) and reads its hello. Every failure says what to
+   * check: the URL (what `hutch serve` prints when it listens), the token, or the versions.
+   */
   static async connect(url: string, opts: ConnectOptions): Promise<Hutch> {
+    if (typeof url !== 'string' || !/^wss?:\/\/[^/]/.test(url)) {
+      const hint = typeof url === 'string' && /^https?:\/\//.test(url) ? ` (did you mean ${url.replace(/^http/, 'ws')}?)` : '';
+      throw new HutchError('bad_request', `Hutch.connect(${JSON.stringify(url)}): a broker's address is ws://HOST:PORT (or wss://), as hutch serve prints it${hint}`);
+    }
+    if (!opts?.token) throw new HutchError('unauthorized', `Hutch.connect(${url}) needs { token }: the token hutch serve was given (--token-file, HUTCH_TOKEN) or printed`);
+    const timeoutMs = opts.timeoutMs ?? 10_000;
     const ws = new WebSocket(url, { headers: { authorization: `Bearer ${opts.token}` }, maxPayload: 512 * 1024 * 1024 });
     const hello = await new Promise<BrokerHello>((resolve, reject) => {
       const timer = setTimeout(() => {
         ws.terminate();
-        reject(new HutchError('timeout', `no answer from ${url} within ${opts.timeoutMs ?? 10_000} ms`));
-      }, opts.timeoutMs ?? 10_000);
+        reject(new HutchError('timeout', `no answer from ${url} within ${timeoutMs} ms: check the URL, and that nothing in between (a proxy, a firewall) holds the connection`));
+      }, timeoutMs);
       ws.once('unexpected-response', (_req, res) => {
         clearTimeout(timer);
         ws.terminate();
-        reject(res.statusCode === 401 ? new HutchError('unauthorized', 'the broker refused the token') : new HutchError('unavailable', `broker answered HTTP ${res.statusCode}`));
+        const status = res.statusCode ?? 0;
+        if (status === 401) reject(new HutchError('unauthorized', `the broker at ${url} refused the token: check it is the one hutch serve was given (--token-file, HUTCH_TOKEN) or printed, or a principal's in its --tokens-file`));
+        else if (status === 429) reject(new HutchError('busy', `the broker at ${url} refused another connection for this token's principal (HTTP 429): close some, or raise its --max-connections`));
+        else reject(new HutchError('unavailable', `${url} answered HTTP ${status} instead of a WebSocket: check it is a hutch broker's or gateway's address (ws://HOST:PORT, no path)`));
       });
-      ws.once('error', (err) => {
+      ws.once('error', (err: NodeJS.ErrnoException) => {
         clearTimeout(timer);
-        reject(new HutchError('unavailable', `cannot connect to ${url}: ${err.message}`));
+        const why =
+          err.code === 'ECONNREFUSED'
+            ? `nothing listens at ${url}: check that hutch serve is running and the URL's host and port are the ones it printed`
+            : err.code === 'ENOTFOUND' || err.code === 'EAI_AGAIN'
+              ? `cannot resolve the host of ${url}: check the URL`
+              : `cannot connect to ${url}: ${err.message}: check the URL`;
+        reject(new HutchError('unavailable', why));
       });
       ws.once('message', (data: WebSocket.RawData) => {
         clearTimeout(timer);
@@ -191,10 +211,15 @@ export class Hutch {
           if (m.t !== 'hello') throw new Error(`expected hello, got ${m.t}`);
           resolve(m);
         } catch (err) {
-          reject(new HutchError('bad_request', `broker spoke an unexpected protocol: ${(err as Error).message}`));
+          ws.terminate();
+          reject(new HutchError('unsupported_version', `${url} did not greet like a hutch broker this SDK knows (${(err as Error).message}): check the URL, and that the SDK and the broker are the same version`));
         }
       });
     });
+    if (hello.v !== HARNESS_API_VERSION) {
+      ws.terminate();
+      throw new HutchError('unsupported_version', `the broker at ${url} speaks harness API v${hello.v} (hutch ${hello.versions?.broker ?? '?'}), this SDK v${HARNESS_API_VERSION}: use the SDK of the broker's version (npm pack in its clone)`, { broker: hello.versions?.broker, api: hello.v });
+    }
     const h = new Hutch(ws, (opts.encoding ?? 'msgpack') === 'msgpack');
     h.backend = hello.backend;
     h.accel = hello.accel;

@@ -43,6 +43,8 @@ export interface CallSinks {
   onSignalable?: (send: (sig: SignalName) => Promise<boolean>) => void;
   /** bash: stdin streamed while the command runs (E2B's SendInput); only the VM (or local agent) takes a stream. */
   stdin?: AsyncIterable<Uint8Array>;
+  /** Told the call's route once it has one, whether the call then succeeds or fails (the request's log line). */
+  routed?: { route?: string };
 }
 
 export type SignalName = z.infer<typeof SignalSchema>;
@@ -169,6 +171,7 @@ export class Session {
         signal.throwIfAborted();
         r = await this.dispatch(tool, rawArgs, { ...sinks, signal }, routed);
       } catch (err) {
+        if (sinks.routed && routed.route) sinks.routed.route = routed.route;
         const code = err instanceof HutchError ? err.code : 'internal';
         const totalMs = performance.now() - received;
         this.deps.metrics?.errors.inc({ code });
@@ -208,7 +211,8 @@ export class Session {
         pulledBytes: r.pulledBytes ?? 0,
         ...(r.usage ? { usage: r.usage } : {}),
       });
-      this.log.info('call.done', { tool, route: r.route, totalMs: result.timing.totalMs, addedMs: result.timing.addedMs, woke: result.woke, wakeMs: result.timing.wakeMs, how: r.wake?.how, pushedBytes: r.pushedBytes, pulledBytes: r.pulledBytes, ...(r.usage ? { majorFaults: r.usage.majorFaults, swapReadBytes: r.usage.swapReadBytes } : {}) });
+      if (sinks.routed) sinks.routed.route = r.route;
+      this.log.debug('call.done', { tool, route: r.route, totalMs: result.timing.totalMs, addedMs: result.timing.addedMs, woke: result.woke, wakeMs: result.timing.wakeMs, how: r.wake?.how, pushedBytes: r.pushedBytes, pulledBytes: r.pulledBytes, ...(r.usage ? { majorFaults: r.usage.majorFaults, swapReadBytes: r.usage.swapReadBytes } : {}) });
       return result;
     });
   }

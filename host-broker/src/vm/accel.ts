@@ -63,7 +63,11 @@ async function probeBoot(kernel: string, timeoutMs: number): Promise<{ booted: b
     const onData = (d: Buffer) => {
       out += d.toString();
       if (/VFS: Unable to mount root|Kernel panic|No working init/.test(out)) done(true, 'reached root mount');
-      else if (/KVM internal error|failed to initialize kvm|Could not access KVM/i.test(out)) done(false, out.trim().split('\n').pop() ?? 'kvm error');
+      else {
+        // The error line itself: QEMU prints a register dump after it, which says nothing to an operator.
+        const kvmError = out.split('\n').find((l) => /KVM internal error|failed to initialize kvm|Could not access KVM/i.test(l));
+        if (kvmError) done(false, kvmError.trim().slice(0, 200));
+      }
     };
     q.stdout.on('data', onData);
     q.stderr.on('data', onData);

@@ -7,6 +7,10 @@ import type { GuestImage } from './vmm.ts';
 
 export type KernelChoice = 'hutch' | 'debian';
 
+/** Which part of the image a build message is about (a progress display shows it). */
+export type GuestPart = 'agent layer' | 'kernel' | 'root filesystem';
+export type GuestBuildLog = (message: string, part?: GuestPart) => void;
+
 export interface ResolvedGuestImage extends GuestImage {
   /** Identity of kernel + agent layer + template root, for snapshot cache keys. */
   key: string;
@@ -34,14 +38,15 @@ export interface GuestBase {
  * is our own kernel (drivers built in, idle page tracking, PVH entry); `debian` is the
  * packaged kernel with a generated initramfs, lacking idle page tracking.
  */
-export async function ensureGuestBase(opts: { kernel?: KernelChoice; log?: (m: string) => void; noBuild?: boolean } = {}): Promise<GuestBase> {
-  const log = opts.log ?? ((m: string) => process.stderr.write(`[guest] ${m}\n`));
+export async function ensureGuestBase(opts: { kernel?: KernelChoice; log?: GuestBuildLog; noBuild?: boolean } = {}): Promise<GuestBase> {
+  const to = opts.log ?? ((m: string) => process.stderr.write(`[guest] ${m}\n`));
+  const part = (p: GuestPart) => (m: string) => to(m, p);
   // --no-build: each builder answers a cache miss with `unavailable` instead of building.
   const cachedOnly = opts.noBuild ? { cachedOnly: true } : {};
-  const layer = await ensureAgentLayer({ log, ...cachedOnly });
+  const layer = await ensureAgentLayer({ log: part('agent layer'), ...cachedOnly });
   const layerSeconds = layer.cached ? 0 : layer.buildSeconds;
   if ((opts.kernel ?? 'hutch') === 'debian') {
-    const d = await ensureDebianKernel({ log, ...cachedOnly });
+    const d = await ensureDebianKernel({ log: part('kernel'), ...cachedOnly });
     return {
       kernel: d.vmlinuz,
       initrd: d.initrd,
@@ -52,7 +57,7 @@ export async function ensureGuestBase(opts: { kernel?: KernelChoice; log?: (m: s
       built: { kernelSeconds: 0, layerSeconds },
     };
   }
-  const k = await ensureKernel({ log, ...cachedOnly });
+  const k = await ensureKernel({ log: part('kernel'), ...cachedOnly });
   return {
     kernel: k.vmlinux,
     flavor: 'hutch',
@@ -79,10 +84,10 @@ export function withTemplateRoot(base: GuestBase, root: { rootfs: string; id: st
 }
 
 /** The default template's image: the kernel, the agent layer and the Debian bookworm root. */
-export async function ensureGuestImage(opts: { kernel?: KernelChoice; log?: (m: string) => void; noBuild?: boolean } = {}): Promise<ResolvedGuestImage> {
+export async function ensureGuestImage(opts: { kernel?: KernelChoice; log?: GuestBuildLog; noBuild?: boolean } = {}): Promise<ResolvedGuestImage> {
   const log = opts.log ?? ((m: string) => process.stderr.write(`[guest] ${m}\n`));
   const base = await ensureGuestBase({ ...opts, log });
-  const rootfs = await ensureRootfs({ log, ...(opts.noBuild ? { cachedOnly: true } : {}) });
+  const rootfs = await ensureRootfs({ log: (m) => log(m, 'root filesystem'), ...(opts.noBuild ? { cachedOnly: true } : {}) });
   return withTemplateRoot(base, { rootfs: rootfs.image, id: rootfs.imageSha256, name: 'default', builtSeconds: rootfs.cached ? 0 : rootfs.buildSeconds });
 }
 
