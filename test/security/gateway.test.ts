@@ -232,7 +232,7 @@ describe.skipIf(skip !== undefined)('gateway security', () => {
     it('a principal holds a bounded number of connections to a gateway', async () => {
       const held = await Promise.all([0, 1, 2].map(() => Hutch.connect(url, { token: TENANTS.bob })));
       const e = await failure(Hutch.connect(url, { token: TENANTS.bob }));
-      expect(e.code).toBe('unavailable');
+      expect(e.code).toBe('busy');
       expect(e.message).toContain('429');
       // Another principal is not locked out by bob.
       const alice = await Hutch.connect(url, { token: TENANTS.alice });
