@@ -8,6 +8,7 @@ import { HARNESS_API_VERSION, OPS, type OpName, type SessionTelemetry, type Tele
 import { Principals } from './api/principals.ts';
 import { WsServer, bearer, type OpContext, type WsLimits } from './api/ws-server.ts';
 import { loopbackUrl, McpHttpEndpoint } from './mcp/http.ts';
+import { ownHostNames, type McpHttpAllowed } from './mcp/http-origin.ts';
 import { E2bEndpoint } from './e2b/endpoint.ts';
 import type { VmBackend } from './backends/backend.ts';
 import { initRouter } from './router/index.ts';
@@ -60,6 +61,8 @@ export interface BrokerOptions {
   slotDisk?: Partial<Omit<SlotDiskOptions, 'dir'>>;
   /** Member of a cluster behind gateways: catalog registration with a lease, /load, the gateway credential. */
   cluster?: ClusterOptions;
+  /** /mcp's browser origins (none by default) and Host names beyond the broker's own (mcp/http-origin.ts). */
+  mcpHttp?: McpHttpAllowed;
 }
 
 /** Host locations an answer must not name: the data dir (as given and resolved) and the cache under HOME. */
@@ -159,7 +162,11 @@ export class Broker {
 
   constructor(private readonly opts: BrokerOptions) {
     this.principals = new Principals({ ...(opts.token !== undefined ? { default: opts.token } : {}), ...opts.tokens });
-    this.mcp = new McpHttpEndpoint({ brokerUrl: () => loopbackUrl(opts.host, this.port), log: opts.log });
+    this.mcp = new McpHttpEndpoint({
+      brokerUrl: () => loopbackUrl(opts.host, this.port),
+      log: opts.log,
+      origins: { allowedOrigins: opts.mcpHttp?.allowedOrigins ?? [], allowedHosts: ownHostNames({ listenHost: opts.host, advertiseUrl: opts.cluster?.advertiseUrl, extra: opts.mcpHttp?.allowedHosts }) },
+    });
     privateDir(opts.dataDir);
     this.policy = { ...DEFAULT_POLICY, ...opts.policy, ...(opts.idleMs !== undefined ? { idleMs: opts.idleMs } : {}) };
     const admission = { ...defaultAdmission(), ...opts.admission };

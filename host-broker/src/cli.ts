@@ -21,6 +21,7 @@ import { DEFAULT_QUOTA } from './sessions/workspace-quota.ts';
 import { CLUSTER_SERVE_FLAGS, clusterFromFlags, drainMsFromFlags, gatewayMain, GATEWAY_HELP } from './gateway/cli.ts';
 import type { ClusterOptions } from './catalog/member.ts';
 import { templateMain } from './templates/cli.ts';
+import { MCP_HTTP_FLAGS, MCP_HTTP_HELP, mcpHttpFromFlags, type McpHttpAllowed } from './mcp/http-origin.ts';
 import { defaultDataDir } from './templates/store.ts';
 import { DEFAULT_MAX_SESSIONS_PER_PRINCIPAL } from './sessions/session-manager.ts';
 import { DEFAULT_SESSION_SIZES, parseSizeList, validateSessionSizes, type SessionSizes } from './sessions/session-sizes.ts';
@@ -92,7 +93,7 @@ serve options:
   --principal-slot-disk-gib N
                     of that, what one principal's slots may take (default: all of it with one principal,
                     half with several)
-  --ready-fd N      when listening, write one JSON line {"url","port",...} to file descriptor N and close it
+${MCP_HTTP_HELP}  --ready-fd N      when listening, write one JSON line {"url","port",...} to file descriptor N and close it
   --ready-json      print that JSON line on stdout instead of the human-readable line
   -h, --help        this text
 
@@ -134,6 +135,8 @@ export interface ServeOptions {
   principalMemoryMiB?: number;
   /** Disk the snapshot slots may take, in all and per principal, bytes (default: half the data dir's filesystem). */
   slotDisk?: { totalBytes?: number; principalBytes?: number };
+  /** /mcp's browser origins and extra Host names (--allowed-origin, --allowed-host). */
+  mcpHttp?: McpHttpAllowed;
 }
 
 /** Starts a broker with the embedded defaults; used by the CLI, the demo and benches. */
@@ -170,6 +173,7 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     ...(o.quota ? { quota: o.quota } : {}),
     ...(o.cluster ? { cluster: o.cluster } : {}),
     ...(o.slotDisk ? { slotDisk: o.slotDisk } : {}),
+    ...(o.mcpHttp ? { mcpHttp: o.mcpHttp } : {}),
     ...(o.memoryBudgetMiB !== undefined || o.principalMemoryMiB !== undefined
       ? { admission: { ...(o.memoryBudgetMiB !== undefined ? { memoryBudgetMiB: o.memoryBudgetMiB } : {}), ...(o.principalMemoryMiB !== undefined ? { principalMemoryMiB: o.principalMemoryMiB } : {}) } }
       : {}),
@@ -280,6 +284,7 @@ async function main(): Promise<void> {
       'ready-json': { type: 'boolean', default: false },
       help: { type: 'boolean', short: 'h' },
       ...CLUSTER_SERVE_FLAGS,
+      ...MCP_HTTP_FLAGS,
     },
   });
   if (values.help) {
@@ -327,6 +332,7 @@ async function main(): Promise<void> {
       files: values['quota-files'] !== undefined ? positiveInt('--quota-files', values['quota-files']) : DEFAULT_QUOTA.files,
     },
     ...clusterFromFlags(values),
+    ...mcpHttpFromFlags(values),
     log,
   });
   // A file's principals are never printed; a generated token must be, or nobody could connect.

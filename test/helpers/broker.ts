@@ -51,6 +51,8 @@ export async function startBroker(
     maxSessionsPerPrincipal?: number;
     /** Disk the snapshot slots may take. */
     slotDisk?: BrokerOptions['slotDisk'];
+    /** /mcp's allowed browser origins and extra Host names. */
+    mcpHttp?: BrokerOptions['mcpHttp'];
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
@@ -77,6 +79,7 @@ export async function startBroker(
     ...(o.sessionSizes ? { sessionSizes: o.sessionSizes } : {}),
     ...(o.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: o.maxSessionsPerPrincipal } : {}),
     ...(o.slotDisk ? { slotDisk: o.slotDisk } : {}),
+    ...(o.mcpHttp ? { mcpHttp: o.mcpHttp } : {}),
   });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;

@@ -142,7 +142,7 @@ export class WsServer {
       server: this.http,
       maxPayload: this.limits.maxPayloadBytes,
       verifyClient: (info, cb) => {
-        const principal = opts.principals.authenticate(bearer(info.req), claimedPrincipal(info.req));
+        const principal = opts.principals.authenticate(upgradeBearer(info.req), claimedPrincipal(info.req));
         if (principal === undefined) {
           opts.log.warn('ws.unauthorized', { remote: info.req.socket.remoteAddress });
           cb(false, 401, 'Unauthorized: missing or wrong token');
@@ -410,11 +410,18 @@ export class WsServer {
   }
 }
 
-/** The bearer token of a request: the Authorization header, else a `token` query parameter (browsers cannot set headers on WebSockets). */
+/**
+ * The bearer token of a plain HTTP request (/mcp, /metrics, /load): the Authorization header
+ * only. A token in the query string lands in proxies' access logs and shells' histories.
+ */
 export function bearer(req: IncomingMessage): string | undefined {
   const header = req.headers['authorization'];
-  if (typeof header === 'string' && header.startsWith('Bearer ')) return header.slice(7);
-  return new URL(req.url ?? '/', 'http://x').searchParams.get('token') ?? undefined;
+  return typeof header === 'string' && header.startsWith('Bearer ') ? header.slice(7) : undefined;
+}
+
+/** The bearer token of a WebSocket upgrade: the Authorization header, else a `token` query parameter (browsers cannot set headers on WebSockets). */
+function upgradeBearer(req: IncomingMessage): string | undefined {
+  return bearer(req) ?? new URL(req.url ?? '/', 'http://x').searchParams.get('token') ?? undefined;
 }
 
 /** JSON cannot carry bytes: text frames get them as UTF-8 strings. */

@@ -9,6 +9,7 @@ import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { Principals, parseTokens } from '../api/principals.ts';
 import type { ClusterOptions } from '../catalog/member.ts';
 import { Gateway } from './gateway.ts';
+import { MCP_HTTP_FLAGS, MCP_HTTP_HELP, mcpHttpFromFlags } from '../mcp/http-origin.ts';
 
 export const GATEWAY_HELP = `gateway options (hutch gateway: one endpoint in front of many brokers):
   --port N          TCP port (default 7080; 0 picks a free one)
@@ -22,7 +23,7 @@ export const GATEWAY_HELP = `gateway options (hutch gateway: one endpoint in fro
   --metrics-port N  also serve /metrics without a token on this port; --metrics-host A (default 127.0.0.1)
   --drain-ms N      on SIGTERM, /healthz answers 503 and calls in flight get this long to finish (default 10000)
   --max-connections N, --max-frame-mib N, --log-level L, --ready-json: as for serve
-
+${MCP_HTTP_HELP}
 cluster options of serve (a broker behind gateways):
   --catalog URL     register in this catalog, redis:// or rediss:// (TLS) (env HUTCH_CATALOG); without it the broker stands alone
   --broker-id ID    stable id of this broker (default: the host name; its sessions live on this node)
@@ -108,6 +109,7 @@ export async function gatewayMain(args: string[]): Promise<void> {
       'ready-json': { type: 'boolean', default: false },
       'drain-ms': { type: 'string' },
       help: { type: 'boolean', short: 'h' },
+      ...MCP_HTTP_FLAGS,
     },
   });
   if (values.help) {
@@ -127,6 +129,7 @@ export async function gatewayMain(args: string[]): Promise<void> {
     credential: gatewayCredential(values['gateway-token-file']),
     log,
     ...(values.sample !== undefined ? { sampleK: positiveInt('--sample', values.sample) } : {}),
+    ...mcpHttpFromFlags(values),
     ...(values['metrics-port'] !== undefined ? { metricsListen: { host: values['metrics-host'], port: Number(values['metrics-port']) } } : {}),
     limits: {
       ...(values['max-frame-mib'] !== undefined ? { maxPayloadBytes: positiveInt('--max-frame-mib', values['max-frame-mib']) * 1024 * 1024 } : {}),

@@ -26,6 +26,7 @@ import { CreateParams, HARNESS_API_VERSION, type OpName } from '../api/harness-p
 import type { Principals } from '../api/principals.ts';
 import { WsServer, bearer, DEFAULT_WS_LIMITS, type OpContext, type WsLimits } from '../api/ws-server.ts';
 import { loopbackUrl, McpHttpEndpoint } from '../mcp/http.ts';
+import { ownHostNames, type McpHttpAllowed } from '../mcp/http-origin.ts';
 import { E2bEndpoint } from '../e2b/endpoint.ts';
 import { listenMetrics } from '../metrics.ts';
 import { Catalog, sessionIdOf, type BrokerRecord, type SessionEntry } from '../catalog/catalog.ts';
@@ -53,6 +54,8 @@ export interface GatewayOptions {
   brokerCacheMs?: number;
   /** Deadline for reaching a broker (connect, hello, /load). */
   brokerTimeoutMs?: number;
+  /** /mcp's browser origins (none by default) and Host names beyond the gateway's own (mcp/http-origin.ts). */
+  mcpHttp?: McpHttpAllowed;
 }
 
 const VERSION = (JSON.parse(readFileSync(new URL('../../../package.json', import.meta.url), 'utf8')) as { version: string }).version;
@@ -93,7 +96,11 @@ export class Gateway {
     if (o.principals.authenticate(o.credential) !== undefined) throw new HutchError('bad_request', 'the gateway credential equals a tenant token; give it its own secret');
     this.catalog = new Catalog(o.catalogUrl, o.catalogPrefix);
     // MCP over HTTP on the gateway reaches the gateway's own WebSocket API, so its tool calls are routed like any harness's.
-    this.mcp = new McpHttpEndpoint({ brokerUrl: () => loopbackUrl(o.host, this.port), log: o.log });
+    this.mcp = new McpHttpEndpoint({
+      brokerUrl: () => loopbackUrl(o.host, this.port),
+      log: o.log,
+      origins: { allowedOrigins: o.mcpHttp?.allowedOrigins ?? [], allowedHosts: ownHostNames({ listenHost: o.host, extra: o.mcpHttp?.allowedHosts }) },
+    });
     this.e2b = new E2bProxy({
       principals: o.principals,
       log: o.log,
