@@ -9,7 +9,7 @@ import { WebSocketServer, type WebSocket, type RawData } from 'ws';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { checkMsgpackShape, parseJsonBounded } from '../../../guest-agent/src/protocol/value-shape.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { ClientMessageSchema, HARNESS_API_VERSION, OPS, type OpName } from './harness-protocol.ts';
+import { ClientMessageSchema, HARNESS_API_VERSION, OPS, type OpName, type SignalResult } from './harness-protocol.ts';
 import type { Principals } from './principals.ts';
 import { claimedPrincipal } from '../gateway/credential.ts';
 
@@ -26,8 +26,8 @@ export interface OpContext {
   out(fd: 1 | 2, chunk: Uint8Array): Promise<void>;
   /** Pushes an event belonging to this request (a subscription's samples). */
   event(data: unknown): void;
-  /** A call that runs a command registers how to send it a signal; the `signal` op then delivers the one asked. */
-  onSignal(send: (sig: SignalName) => Promise<boolean>): void;
+  /** A call that runs a command registers how to send it a signal; the `signal` op then delivers the one asked (a gateway's answer names brokers it lacks). */
+  onSignal(send: (sig: SignalName) => Promise<boolean | SignalResult>): void;
   /** The request came in a binary (msgpack) frame: bytes travel as bytes (JSON frames need base64). */
   binary: boolean;
   /** The connection: an id for state that outlives one request (a streamed upload), aborted when it closes. */
@@ -258,7 +258,7 @@ export class WsServer {
     this.perPrincipal.set(principal, (this.perPrincipal.get(principal) ?? 0) + 1);
     const log = this.opts.log.child({ remote: `${req.socket.remoteAddress}:${req.socket.remotePort}`, principal });
     const inflight = new Map<number, AbortController>();
-    const signallers = new Map<number, (sig: SignalName) => Promise<boolean>>();
+    const signallers = new Map<number, (sig: SignalName) => Promise<boolean | SignalResult>>();
     const maxInflight = this.limits.maxInflightPerConnection;
     const connection = { id: ++this.connectionSeq, ac: new AbortController() };
     log.info('ws.connected');
@@ -397,14 +397,17 @@ export class WsServer {
     ws.on('error', (err) => log.warn('ws.error', { error: err.message }));
   }
 
-  private async signal(p: unknown, find: (id: number) => { ac: AbortController; deliver: ((sig: SignalName) => Promise<boolean>) | undefined } | undefined): Promise<{ delivered: boolean }> {
+  private async signal(p: unknown, find: (id: number) => { ac: AbortController; deliver: ((sig: SignalName) => Promise<boolean | SignalResult>) | undefined } | undefined): Promise<SignalResult> {
     const parsed = OPS.signal.safeParse(p);
     if (!parsed.success) throw new HutchError('bad_request', `invalid signal params: ${parsed.error.issues[0]?.message}`);
     const call = find(parsed.data.call);
     if (!call) throw new HutchError('not_found', `no call ${parsed.data.call} in flight on this connection`, { call: parsed.data.call });
     // A running command gets the signal asked (a trap may handle SIGINT and go on); SIGKILL,
     // or a call whose command is not running yet, cancels the call (its group is killed).
-    if (call.deliver && parsed.data.signal !== 'SIGKILL') return { delivered: await call.deliver(parsed.data.signal) };
+    if (call.deliver && parsed.data.signal !== 'SIGKILL') {
+      const r = await call.deliver(parsed.data.signal);
+      return typeof r === 'boolean' ? { delivered: r } : r;
+    }
     call.ac.abort(new HutchError('cancelled', `call cancelled by ${parsed.data.signal}`));
     return { delivered: true };
   }

@@ -22,6 +22,8 @@ export const GATEWAY_HELP = `gateway options (hutch gateway: one endpoint in fro
   --sample K        brokers sampled per placement (default 2)
   --metrics-port N  also serve /metrics without a token on this port; --metrics-host A (default 127.0.0.1)
   --drain-ms N      on SIGTERM, /healthz answers 503 and calls in flight get this long to finish (default 10000)
+  --fan-out-ms N    what each broker gets to answer a request asked of all (sessions, the E2B list, a signal
+                    passed on) before the answer goes without it, naming it in \`unavailable\` (default 5000)
   --max-connections N, --max-frame-mib N, --log-level L, --ready-json: as for serve
 ${MCP_HTTP_HELP}
 cluster options of serve (a broker behind gateways):
@@ -108,6 +110,7 @@ export async function gatewayMain(args: string[]): Promise<void> {
       'log-level': { type: 'string' },
       'ready-json': { type: 'boolean', default: false },
       'drain-ms': { type: 'string' },
+      'fan-out-ms': { type: 'string' },
       help: { type: 'boolean', short: 'h' },
       ...MCP_HTTP_FLAGS,
     },
@@ -129,6 +132,7 @@ export async function gatewayMain(args: string[]): Promise<void> {
     credential: gatewayCredential(values['gateway-token-file']),
     log,
     ...(values.sample !== undefined ? { sampleK: positiveInt('--sample', values.sample) } : {}),
+    ...(values['fan-out-ms'] !== undefined ? { fanOutMs: positiveInt('--fan-out-ms', values['fan-out-ms']) } : {}),
     ...mcpHttpFromFlags(values),
     ...(values['metrics-port'] !== undefined ? { metricsListen: { host: values['metrics-host'], port: Number(values['metrics-port']) } } : {}),
     limits: {

@@ -22,7 +22,9 @@ import type { IncomingMessage, Server, ServerResponse } from 'node:http';
 import { Counter, Gauge, Registry } from 'prom-client';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { CreateParams, HARNESS_API_VERSION, type OpName } from '../api/harness-protocol.ts';
+import { CreateParams, HARNESS_API_VERSION, opParams, TELEMETRY_SAMPLE_TIMEOUT_MS, type OpName, type SessionsResult, type SignalResult, type TelemetryResult } from '../api/harness-protocol.ts';
+import type { SignalSchema } from '../../../guest-agent/src/protocol/methods.ts';
+import type { z } from 'zod';
 import type { Principals } from '../api/principals.ts';
 import { WsServer, bearer, DEFAULT_WS_LIMITS, type OpContext, type WsLimits } from '../api/ws-server.ts';
 import { loopbackUrl, McpHttpEndpoint } from '../mcp/http.ts';
@@ -33,7 +35,7 @@ import { Catalog, sessionIdOf, type BrokerRecord, type SessionEntry } from '../c
 import { GatewayCredential } from './credential.ts';
 import { E2bProxy } from './e2b-proxy.ts';
 import { place } from './placement.ts';
-import { Upstream } from './upstream.ts';
+import { Upstream, type Deadline } from './upstream.ts';
 
 export interface GatewayOptions {
   port: number;
@@ -54,6 +56,12 @@ export interface GatewayOptions {
   brokerCacheMs?: number;
   /** Deadline for reaching a broker (connect, hello, /load). */
   brokerTimeoutMs?: number;
+  /**
+   * What each broker gets to answer a request asked of every one (`sessions`, E2B's list, a
+   * signal passed on) before the answer goes without it, naming it (default 5000 ms); a
+   * telemetry subscription gets this past its interval and the sampling bound between events.
+   */
+  fanOutMs?: number;
   /** /mcp's browser origins (none by default) and Host names beyond the gateway's own (mcp/http-origin.ts). */
   mcpHttp?: McpHttpAllowed;
 }
@@ -66,6 +74,8 @@ const ENTRY_CACHE_MAX = 100_000;
 
 /** An upstream idle this long (no request in flight) is closed. */
 const UPSTREAM_IDLE_MS = 60_000;
+
+const DEFAULT_FAN_OUT_MS = 5000;
 
 export class Gateway {
   private server: WsServer | undefined;
@@ -113,6 +123,7 @@ export class Gateway {
         await this.catalog.releaseSession(id, { broker: entry.broker, principal: entry.principal });
       },
       liveBrokers: () => this.liveBrokers(true),
+      fanOutMs: this.fanOutMs,
     });
     this.sweeper = setInterval(() => this.sweep(), 10_000);
     this.sweeper.unref();
@@ -120,6 +131,10 @@ export class Gateway {
 
   private get timeoutMs(): number {
     return this.o.brokerTimeoutMs ?? 3000;
+  }
+
+  private get fanOutMs(): number {
+    return this.o.fanOutMs ?? DEFAULT_FAN_OUT_MS;
   }
 
   async start(): Promise<number> {
@@ -195,7 +210,7 @@ export class Gateway {
       let r: unknown;
       if (op === 'create') r = await this.create(p, ctx);
       else if (p['session'] !== undefined) r = await this.forwardToSession(sessionIdOf(p['session']), op, raw, ctx);
-      else if (op === 'sessions') r = await this.listSessions(ctx);
+      else if (op === 'sessions') r = await this.listSessions(raw, ctx);
       else if (op === 'telemetry') r = await this.telemetryAll(raw, ctx);
       else throw new HutchError('bad_request', `op ${op} without a session cannot be routed by the gateway (give a session, or use a broker directly)`, { op });
       this.requests.inc({ op, outcome: 'ok' });
@@ -301,22 +316,37 @@ export class Gateway {
   /**
    * Sends one request to several brokers (one, usually) as a single call of the client's: output
    * and events are relayed as they come, a signal goes to every part, and each part's answer
-   * (or error) is returned in order.
+   * (or error) is returned in order. With a deadline (a fan-out), a part past it is failed
+   * `unavailable` (reason `timeout`) and cancelled at its broker. Signals passed on always
+   * have one: a stopped broker cannot hold the client's `signal` answer.
    */
-  private async forwardAll(ups: Upstream[], op: string, raw: unknown, ctx: OpContext): Promise<Array<{ r?: unknown; e?: unknown }>> {
-    const parts = ups.map((u) => ({ u, ...u.request(op, raw, { out: (fd, d) => ctx.out(fd, d), event: (d) => ctx.event(d) }) }));
+  private async forwardAll(ups: Upstream[], op: string, raw: unknown, ctx: OpContext, deadline?: Deadline): Promise<Array<{ r?: unknown; e?: unknown }>> {
+    const parts = ups.map((u) => ({ u, ...u.request(op, raw, { out: (fd, d) => ctx.out(fd, d), event: (d) => ctx.event(d) }, deadline) }));
+    const signal = (u: Upstream, id: number, sig: SignalName) => u.request('signal', { call: id, signal: sig }, {}, { ms: this.fanOutMs }).result;
     ctx.onSignal(async (sig) => {
-      const answers = await Promise.all(parts.map(({ u, id }) => u.request('signal', { call: id, signal: sig }).result.then((r) => (r as { delivered: boolean }).delivered, () => false)));
-      return answers.some(Boolean);
+      const answers = await Promise.all(parts.map(({ u, id }) => signal(u, id, sig).then((r) => ({ delivered: (r as SignalResult).delivered, missing: undefined }), () => ({ delivered: false, missing: u.broker }))));
+      const unavailable = answers.flatMap((a) => (a.missing ? [a.missing] : []));
+      return { delivered: answers.some((a) => a.delivered), ...(unavailable.length ? { unavailable } : {}) };
     });
     // SIGKILL, or the client going away, cancels the call on the broker; its answer still comes back through here.
     const cancel = () => {
-      for (const { u, id } of parts) void u.request('signal', { call: id, signal: 'SIGKILL' }).result.catch(() => undefined);
+      for (const { u, id } of parts) void signal(u, id, 'SIGKILL').catch(() => undefined);
     };
     if (ctx.signal.aborted) cancel();
     else ctx.signal.addEventListener('abort', cancel, { once: true });
     try {
-      return await Promise.all(parts.map(({ result }) => result.then((r) => ({ r }), (e: unknown) => ({ e }))));
+      return await Promise.all(
+        parts.map(({ u, id, result }) =>
+          result.then(
+            (r) => ({ r }),
+            (e: unknown) => {
+              // Given up on: the broker, if it comes back, stops what it was doing for us.
+              if (toHutchError(e).context?.['reason'] === 'timeout') void signal(u, id, 'SIGKILL').catch(() => undefined);
+              return { e };
+            },
+          ),
+        ),
+      );
     } finally {
       ctx.signal.removeEventListener('abort', cancel);
     }
@@ -424,8 +454,11 @@ export class Gateway {
     }
   }
 
-  /** Asks every live broker; the answers of those that answered, and the ids of those that did not. */
-  private async fanOut(op: string, raw: unknown, ctx: OpContext): Promise<{ answers: unknown[]; unavailable: string[] }> {
+  /**
+   * Asks every live broker, each within `deadline` (connecting has its own); the answers of
+   * those that answered, and the ids of those that did not.
+   */
+  private async fanOut(op: string, raw: unknown, ctx: OpContext, deadline: Deadline): Promise<{ answers: unknown[]; unavailable: string[] }> {
     const brokers = await this.liveBrokers(true);
     const reached = await Promise.all(brokers.map((b) => this.upstream(ctx, b).then((u) => ({ b, u }), () => ({ b, u: undefined }))));
     const ups = reached.filter((x): x is { b: BrokerRecord; u: Upstream } => x.u !== undefined);
@@ -434,25 +467,32 @@ export class Gateway {
       op,
       raw,
       ctx,
+      deadline,
     );
     const unavailable = [...reached.filter((x) => !x.u).map((x) => x.b.id), ...ups.filter((_, i) => results[i]?.e !== undefined).map((x) => x.b.id)];
+    if (unavailable.length) this.o.log.warn('gateway.fan_out_partial', { op, unavailable, errors: results.flatMap((x) => (x.e === undefined ? [] : [toHutchError(x.e).message])) });
     return { answers: results.filter((x) => x.e === undefined).map((x) => x.r), unavailable };
   }
 
-  /** Every live broker's list of this principal's sessions; brokers that did not answer are named. */
-  private async listSessions(ctx: OpContext): Promise<{ sessions: unknown[]; unavailable?: string[] }> {
-    const { answers, unavailable } = await this.fanOut('sessions', {}, ctx);
-    return { sessions: answers.flatMap((a) => (a as { sessions?: unknown[] }).sessions ?? []), ...(unavailable.length ? { unavailable } : {}) };
+  /** Every live broker's list of this principal's sessions; brokers that did not answer in time are named. */
+  private async listSessions(raw: unknown, ctx: OpContext): Promise<SessionsResult> {
+    const { answers, unavailable } = await this.fanOut('sessions', opParams('sessions', raw ?? {}), ctx, { ms: this.fanOutMs });
+    return { sessions: answers.flatMap((a) => (a as SessionsResult).sessions), ...(unavailable.length ? { unavailable } : {}) };
   }
 
   /**
    * Telemetry of all the principal's sessions: a subscription on every live broker, each
    * broker's events relayed as they come (so one event per broker per interval, each with
-   * that broker's sessions); cancelling the call cancels them all.
+   * that broker's sessions); cancelling the call cancels them all. A broker that sends no
+   * event for an interval, the sampling bound and the fan-out deadline is given up and named.
    */
-  private async telemetryAll(raw: unknown, ctx: OpContext): Promise<{ samples: number; cancelled: boolean; unavailable?: string[] }> {
-    const { answers, unavailable } = await this.fanOut('telemetry', raw, ctx);
-    const rs = answers as Array<{ samples: number; cancelled: boolean }>;
+  private async telemetryAll(raw: unknown, ctx: OpContext): Promise<TelemetryResult> {
+    const p = opParams('telemetry', raw ?? {});
+    const { answers, unavailable } = await this.fanOut('telemetry', p, ctx, { ms: (p.intervalMs ?? 1000) + TELEMETRY_SAMPLE_TIMEOUT_MS + this.fanOutMs, whileFrames: true });
+    const rs = answers as TelemetryResult[];
     return { samples: rs.reduce((n, r) => n + r.samples, 0), cancelled: rs.some((r) => r.cancelled), ...(unavailable.length ? { unavailable } : {}) };
   }
 }
+
+type SignalName = z.infer<typeof SignalSchema>;
+

@@ -27,6 +27,8 @@ import {
   type ToolName,
   type TelemetryEvent,
   TelemetryEventSchema,
+  TelemetryResultSchema,
+  type TelemetryResult,
   DownloadChunkSchema,
   DownloadResultSchema,
   DownloadStartSchema,
@@ -34,7 +36,7 @@ import {
   UploadOpenResultSchema,
 } from '../api/harness-protocol.ts';
 
-export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName, type TelemetryEvent };
+export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName, type TelemetryEvent, type TelemetryResult };
 
 const packr = new Packr({ useRecords: false });
 
@@ -219,10 +221,10 @@ export class Hutch {
    * Live telemetry: `onSample` gets one event per interval (every session, or one) with
    * each VM's state and guest sample, until `signal` aborts or `count` events arrived.
    */
-  async telemetry(o: { session?: string; intervalMs?: number; count?: number; signal?: AbortSignal; onSample: (e: TelemetryEvent) => void }): Promise<{ samples: number; cancelled: boolean }> {
+  async telemetry(o: { session?: string; intervalMs?: number; count?: number; signal?: AbortSignal; onSample: (e: TelemetryEvent) => void }): Promise<TelemetryResult> {
     const p = { ...(o.session ? { session: o.session } : {}), ...(o.intervalMs !== undefined ? { intervalMs: o.intervalMs } : {}), ...(o.count !== undefined ? { count: o.count } : {}) };
     try {
-      return (await this.request('telemetry', p, undefined, o.signal, (d) => o.onSample(TelemetryEventSchema.parse(d)))) as { samples: number; cancelled: boolean };
+      return TelemetryResultSchema.parse(await this.request('telemetry', p, undefined, o.signal, (d) => o.onSample(TelemetryEventSchema.parse(d))));
     } catch (err) {
       // Cancelling is how a subscription ends; the broker answers it like a finished one.
       if (o.signal?.aborted && err instanceof HutchError && err.code === 'cancelled') return { samples: -1, cancelled: true };
