@@ -335,7 +335,11 @@ export class Broker {
     }
     switch (op) {
       case 'create': {
-        const s = await this.sessions.create(opParams('create', raw), who);
+        const p = opParams('create', raw);
+        // An id of the tenant's choosing could be another principal's (planted, then handed
+        // out by a catalog rebuilt first come, first served): only a gateway names one.
+        if (p.id !== undefined && !ctx.viaGateway) throw new HutchError('bad_request', 'a session id is chosen by the broker: create without id and keep the id it answers', { op: 'create' });
+        const s = await this.sessions.create(p, who);
         return s.info();
       }
       case 'attach':

@@ -47,7 +47,7 @@ export const CreateParams = z.object({
   cpus: z.number().int().min(1).max(64).optional(),
   memoryMiB: z.number().int().min(64).max(1024 * 1024).optional(),
   workspace: WorkspaceSourceSchema.optional(),
-  /** A stable id chosen by the harness; generated when absent. */
+  /** The session's id, given only by a gateway (with its credential) for the broker it placed the session on; a tenant's create gets a random one. */
   id: sessionId.optional(),
   /** The template the session's VM boots (hutch template ls); absent: the default template. */
   template: z.string().min(1).max(63).optional(),

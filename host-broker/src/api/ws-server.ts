@@ -20,6 +20,8 @@ export interface OpContext {
   id: number;
   /** Who is asking: the principal whose token opened this connection. */
   principal: string;
+  /** The connection is a gateway's, acting for `principal` with the gateway credential. */
+  viaGateway: boolean;
   /** Aborted when the client disconnects or signals the call. */
   signal: AbortSignal;
   /** Sends streamed output of this call to the client, with backpressure. */
@@ -125,7 +127,7 @@ export class WsServer {
   /** Sockets without an authenticated WebSocket yet, oldest first, with their deadline timers. */
   private readonly pending = new Map<Socket, NodeJS.Timeout>();
   private readonly perPrincipal = new Map<string, number>();
-  private readonly principalOf = new WeakMap<IncomingMessage, string>();
+  private readonly principalOf = new WeakMap<IncomingMessage, { principal: string; viaGateway: boolean }>();
   private connectionSeq = 0;
   /** Bytes each principal's messages hold (arriving, and received but not answered). */
   readonly receive: ReceiveBudget;
@@ -142,18 +144,19 @@ export class WsServer {
       server: this.http,
       maxPayload: this.limits.maxPayloadBytes,
       verifyClient: (info, cb) => {
-        const principal = opts.principals.authenticate(upgradeBearer(info.req), claimedPrincipal(info.req));
-        if (principal === undefined) {
+        const who = opts.principals.identify(upgradeBearer(info.req), claimedPrincipal(info.req));
+        if (who === undefined) {
           opts.log.warn('ws.unauthorized', { remote: info.req.socket.remoteAddress });
           cb(false, 401, 'Unauthorized: missing or wrong token');
           return;
         }
+        const { principal } = who;
         if ((this.perPrincipal.get(principal) ?? 0) >= this.limits.maxConnectionsPerPrincipal) {
           opts.log.warn('ws.too_many_connections', { principal, limit: this.limits.maxConnectionsPerPrincipal });
           cb(false, 429, `Too many connections: principal ${principal} already holds ${this.limits.maxConnectionsPerPrincipal}`);
           return;
         }
-        this.principalOf.set(info.req, principal);
+        this.principalOf.set(info.req, who);
         cb(true);
       },
     });
@@ -253,7 +256,7 @@ export class WsServer {
   }
 
   private onConnection(ws: WebSocket, req: IncomingMessage): void {
-    const principal = this.principalOf.get(req) as string;
+    const { principal, viaGateway } = this.principalOf.get(req) as { principal: string; viaGateway: boolean };
     this.forget(req.socket);
     this.perPrincipal.set(principal, (this.perPrincipal.get(principal) ?? 0) + 1);
     const log = this.opts.log.child({ remote: `${req.socket.remoteAddress}:${req.socket.remotePort}`, principal });
@@ -348,6 +351,7 @@ export class WsServer {
       const ctx: OpContext = {
         id,
         principal,
+        viaGateway,
         signal: ac.signal,
         out: async (fd, chunk) => {
           if (ws.readyState !== ws.OPEN) return;

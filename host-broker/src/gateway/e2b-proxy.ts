@@ -21,12 +21,13 @@ import type { Principals } from '../api/principals.ts';
 import { AttachParams } from '../api/harness-protocol.ts';
 import { sessionIdOf, type BrokerRecord, type SessionEntry } from '../catalog/catalog.ts';
 import { httpUrlOf } from './placement.ts';
+import { principalOfAccessToken } from '../e2b/access-token.ts';
 
 export interface E2bProxyDeps {
   principals: Principals;
   log: Logger;
-  /** The placement of a session (undefined: none). */
-  session(id: string): Promise<SessionEntry | undefined>;
+  /** The placement of a principal's session (undefined: none). */
+  session(principal: string, id: string): Promise<SessionEntry | undefined>;
   /** Its broker if registered, else throws `unavailable` naming it. */
   brokerFor(entry: SessionEntry, session: string): Promise<BrokerRecord>;
   /** A broker for a new session. */
@@ -67,7 +68,10 @@ export class E2bProxy {
     const notFound = () => res.writeHead(502, { 'content-type': 'application/json' }).end(JSON.stringify({ code: 502, message: 'sandbox not found or not running' }));
     const raw = req.headers['e2b-sandbox-id'];
     const id = typeof raw === 'string' && AttachParams.shape.session.safeParse(raw).success ? raw : undefined;
-    const entry = id === undefined ? undefined : await this.d.session(id);
+    // The access token says whose sandbox it claims to be (the catalog is keyed by principal);
+    // a false claim routes to a broker that then refuses the token.
+    const principal = principalOfAccessToken(req.headers['x-access-token']);
+    const entry = id === undefined || principal === undefined ? undefined : await this.d.session(principal, id);
     const rec = entry && id ? await this.d.brokerFor(entry, id).catch(() => undefined) : undefined;
     if (!rec) return void notFound();
     // The broker checks the access token; once it accepted the request, a long stream is no stray socket.
@@ -97,9 +101,9 @@ export class E2bProxy {
       return;
     }
     const id = sessionIdOf(decodeURIComponent(hit[1] as string));
-    const entry = await this.d.session(id);
+    const entry = await this.d.session(principal, id);
     // Another principal's sandbox answers exactly like a missing one.
-    if (!entry || entry.principal !== principal) throw new HutchError('not_found', `no sandbox ${id}`);
+    if (!entry) throw new HutchError('not_found', `no sandbox ${id}`);
     const rec = await this.d.brokerFor(entry, id);
     if (m === 'DELETE' && hit[2] === undefined) {
       // A kill: the placement is forgotten before the client hears it is done.

@@ -16,13 +16,12 @@
  * - a broker drains: it deregisters at once and answers new work with `unavailable`
  *   (reason `draining`); when it starts again with the same id its sessions answer again.
  */
-import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { IncomingMessage, Server, ServerResponse } from 'node:http';
 import { Counter, Gauge, Registry } from 'prom-client';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { CreateParams, HARNESS_API_VERSION, opParams, TELEMETRY_SAMPLE_TIMEOUT_MS, type OpName, type SessionsResult, type SignalResult, type TelemetryResult } from '../api/harness-protocol.ts';
+import { HARNESS_API_VERSION, opParams, TELEMETRY_SAMPLE_TIMEOUT_MS, type OpName, type SessionsResult, type SignalResult, type TelemetryResult } from '../api/harness-protocol.ts';
 import type { SignalSchema } from '../../../guest-agent/src/protocol/methods.ts';
 import type { z } from 'zod';
 import type { Principals } from '../api/principals.ts';
@@ -36,6 +35,7 @@ import { GatewayCredential } from './credential.ts';
 import { E2bProxy } from './e2b-proxy.ts';
 import { place } from './placement.ts';
 import { Upstream, type Deadline } from './upstream.ts';
+import { newSessionId } from '../sessions/session-manager.ts';
 
 export interface GatewayOptions {
   port: number;
@@ -89,7 +89,7 @@ export class Gateway {
    */
   private readonly upstreams = new Map<string, Promise<Upstream>>();
   private brokers: { at: number; list: BrokerRecord[] } | undefined;
-  /** Session placements read from the catalog (bounded, short-lived; see placement()). */
+  /** Session placements read from the catalog, by principal and session (bounded, short-lived; see placement()). */
   private readonly entries = new Map<string, SessionEntry & { at: number }>();
   private readonly sweeper: NodeJS.Timeout;
   readonly registry = new Registry();
@@ -114,12 +114,12 @@ export class Gateway {
     this.e2b = new E2bProxy({
       principals: o.principals,
       log: o.log,
-      session: (id) => this.catalog.session(id),
+      session: (principal, id) => this.catalog.session(principal, id),
       brokerFor: (entry, id) => this.brokerFor(entry, id),
       place: async () => (await place(await this.liveBrokers(true), { memoryMiB: 512, k: o.sampleK ?? 2, credential: o.credential, timeoutMs: this.timeoutMs })).broker,
       claim: (id, entry) => this.catalog.claimSession(id, entry),
       release: async (id, entry) => {
-        this.entries.delete(id);
+        this.entries.delete(entryKey(entry.principal, id));
         await this.catalog.releaseSession(id, { broker: entry.broker, principal: entry.principal });
       },
       liveBrokers: () => this.liveBrokers(true),
@@ -355,33 +355,34 @@ export class Gateway {
   /**
    * A session's placement, from this gateway's cache when it has it (a catalog round trip
    * per call otherwise). A cached entry can only be stale after the session was closed
-   * elsewhere and its id reused; every answer that could come from that (a principal
-   * mismatch here, not_found from the broker) is checked against the catalog before it stands.
+   * elsewhere; an answer that could come from that (not_found from the broker) is checked
+   * against the catalog before it stands. Placements are the principal's own: another
+   * principal's session of the same id is not looked at, and answers like a missing one.
    */
   private async placement(session: string, principal: string, fresh: boolean): Promise<{ entry: SessionEntry; cached: boolean }> {
-    const hit = fresh ? undefined : this.entries.get(session);
-    if (hit && hit.principal === principal && Date.now() - hit.at < ENTRY_CACHE_MS) return { entry: hit, cached: true };
+    const key = entryKey(principal, session);
+    const hit = fresh ? undefined : this.entries.get(key);
+    if (hit && Date.now() - hit.at < ENTRY_CACHE_MS) return { entry: hit, cached: true };
     let entry: SessionEntry | undefined;
     try {
-      entry = await this.catalog.session(session);
+      entry = await this.catalog.session(principal, session);
     } catch (err) {
       // The catalog is unreachable: a placement seen before still routes (its broker still checks the owner).
-      const known = this.entries.get(session);
-      if (known && known.principal === principal) return { entry: known, cached: true };
+      const known = this.entries.get(key);
+      if (known) return { entry: known, cached: true };
       throw err;
     }
-    // Another principal's session answers exactly like a missing one, as on a broker.
-    if (!entry || entry.principal !== principal) {
-      this.entries.delete(session);
+    if (!entry) {
+      this.entries.delete(key);
       throw new HutchError('not_found', `no session ${session}`, { session });
     }
-    this.remember(session, entry);
+    this.remember(key, entry);
     return { entry, cached: false };
   }
 
-  private remember(session: string, entry: SessionEntry): void {
-    this.entries.delete(session);
-    this.entries.set(session, { ...entry, at: Date.now() });
+  private remember(key: string, entry: SessionEntry): void {
+    this.entries.delete(key);
+    this.entries.set(key, { ...entry, at: Date.now() });
     // Oldest first in insertion order: drop from the front past the bound.
     for (const k of this.entries.keys()) {
       if (this.entries.size <= ENTRY_CACHE_MAX) break;
@@ -396,7 +397,7 @@ export class Gateway {
     } catch (err) {
       // The broker does not have it: nothing ran there. A stale cache entry gets one retry from the catalog.
       if (cached && toHutchError(err).code === 'not_found' && toHutchError(err).context?.['session'] === session) {
-        this.entries.delete(session);
+        this.entries.delete(entryKey(ctx.principal, session));
         return this.forwardToSession(session, op, raw, ctx, true);
       }
       throw err;
@@ -411,15 +412,15 @@ export class Gateway {
     const r = await this.forward(u, op, raw, ctx);
     // The session is gone from its broker: forget the placement (only ours, compare-and-delete).
     if (op === 'close') {
-      this.entries.delete(session);
+      this.entries.delete(entryKey(entry.principal, session));
       await this.catalog.releaseSession(session, { broker: entry.broker, principal: entry.principal });
     }
     return r;
   }
 
   private async create(p: Record<string, unknown>, ctx: OpContext): Promise<unknown> {
-    const idCheck = CreateParams.shape.id.safeParse(p['id']);
-    if (!idCheck.success) throw new HutchError('bad_request', `invalid create params: id: ${idCheck.error.issues[0]?.message}`, { op: 'create' });
+    // The gateway names every id (random, so nobody can guess another principal's), as a broker does for a tenant.
+    if (p['id'] !== undefined) throw new HutchError('bad_request', 'a session id is chosen by the broker: create without id and keep the id it answers', { op: 'create' });
     const template = typeof p['template'] === 'string' ? p['template'] : undefined;
     const memoryMiB = typeof p['memoryMiB'] === 'number' ? p['memoryMiB'] : 512;
     const placed = await place(await this.liveBrokers(true), {
@@ -429,7 +430,7 @@ export class Gateway {
       credential: this.o.credential,
       timeoutMs: this.timeoutMs,
     });
-    const session = idCheck.data ?? `s-${randomBytes(6).toString('hex')}`;
+    const session = newSessionId();
     const entry: SessionEntry = { broker: placed.broker.id, principal: ctx.principal };
     // First writer wins: two gateways placing one id cannot both succeed.
     if (!(await this.catalog.claimSession(session, entry))) throw new HutchError('already_exists', `session ${session} already exists`, { session });
@@ -496,3 +497,7 @@ export class Gateway {
 
 type SignalName = z.infer<typeof SignalSchema>;
 
+/** The entry cache's key: placements are per principal, as in the catalog. */
+function entryKey(principal: string, session: string): string {
+  return `${principal}\n${session}`;
+}

@@ -53,7 +53,6 @@ export interface CreateOptions {
   memoryMiB?: number;
   /** Initial workspace: a directory on the broker's host, a tar archive, or a map of files. */
   workspace?: { dir: string } | { tar: Uint8Array } | { files: Record<string, string | Uint8Array> };
-  id?: string;
   /** The template the sandbox boots (`hutch template ls`); default: hutch's Debian image. */
   template?: string;
   /** Workspace quota in allocated bytes and entries, each at most the broker's. */
