@@ -18,6 +18,8 @@ import {
   CallResultSchema,
   ServerMessageSchema,
   SessionInfoSchema,
+  SessionsResultSchema,
+  type SessionsResult,
   type CallResult,
   type ServerMessage,
   type CloseResult,
@@ -36,7 +38,7 @@ import {
   UploadOpenResultSchema,
 } from '../api/harness-protocol.ts';
 
-export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName, type TelemetryEvent, type TelemetryResult };
+export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName, type TelemetryEvent, type TelemetryResult, type SessionsResult };
 
 const packr = new Packr({ useRecords: false });
 
@@ -213,7 +215,12 @@ export class Hutch {
   }
 
   async sessions(): Promise<SessionInfo[]> {
-    return ((await this.request('sessions', {})) as { sessions: SessionInfo[] }).sessions;
+    return (await this.listSessions()).sessions;
+  }
+
+  /** The sessions and, through a gateway, the brokers that did not answer in time (`unavailable`: the list lacks theirs). */
+  async listSessions(): Promise<SessionsResult> {
+    return SessionsResultSchema.parse(await this.request('sessions', {}));
   }
 
   /**
