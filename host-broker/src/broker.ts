@@ -78,7 +78,6 @@ function hostPaths(dataDir: string): Array<{ path: string; as: string }> {
 /** The broker's version (package.json), told to clients in the hello frame. */
 const BROKER_VERSION = (JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string }).version;
 
-
 function withTimeout<T>(p: Promise<T>, ms: number, fallback: T): Promise<T> {
   return new Promise((resolve, reject) => {
     const t = setTimeout(() => resolve(fallback), ms);
