@@ -5,6 +5,10 @@
  *
  * `npx tsx bench/damon.ts [--json] [--quick]`
  *
+ * --quick: the search workload alone, over a small part of the stdlib, once per profile (two
+ * VMs), to check the bench reaches its JSON line (test/benches.test.ts, VM tier); it needs
+ * none of the benchmark corpus's projects.
+ *
  *   <workload>_<profile>_occupied_mib  time-weighted MemTotal - MemFree during the run
  *   <workload>_<profile>_cache_mib     time-weighted Cached during the run
  *   <workload>_<profile>_runtime_s     wall time of the workload
@@ -46,7 +50,7 @@ interface Workload {
   command: string;
 }
 
-const WORKLOADS: Workload[] = [
+const ALL_WORKLOADS: Workload[] = [
   {
     name: 'pytest',
     projects: ['datespan', 'logtally', 'salesreport'],
@@ -68,6 +72,13 @@ const WORKLOADS: Workload[] = [
     ].join('; '),
   },
 ];
+
+const QUICK_SEARCH: Workload = {
+  name: 'search',
+  projects: [],
+  command: "grep -rIn --include='*.py' 'def __init__' /usr/lib/python3.11/json /usr/lib/python3.11/email | wc -l; find /usr/lib/python3.11/json -type f -name '*.py' -print0 | xargs -0 wc -l | tail -1",
+};
+const WORKLOADS: Workload[] = quick ? [QUICK_SEARCH] : ALL_WORKLOADS;
 
 interface Run {
   workload: string;

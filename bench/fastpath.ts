@@ -5,7 +5,7 @@
  * objects, as a busy broker would), to show whether the fast path's spawn cost grows
  * with the broker's heap (it should not: the sandboxes are forked by a small helper).
  *
- *   npx tsx bench/fastpath.ts [--json] [--runs N] [--heap-mib M]
+ *   npx tsx bench/fastpath.ts [--json] [--quick] [--runs N] [--heap-mib M]
  *
  * Also measured: the fast path with the in-process spawner (the broker forks bwrap
  * itself), which is what the helper is there to avoid; and bubblewrap baselines: a plain
@@ -48,8 +48,11 @@ const numArg = (name: string, dflt: number): number => {
   const v = i >= 0 ? Number(args.argv[i + 1]) : NaN;
   return Number.isFinite(v) && v > 0 ? v : dflt;
 };
-const RUNS = numArg('--runs', 30);
-const HEAP_MIB = numArg('--heap-mib', 1100);
+/** --quick: seconds (a few runs, a small "big" heap), to check the bench still runs to its JSON line (test/benches.test.ts). */
+const quick = args.argv.includes('--quick');
+const RUNS = numArg('--runs', quick ? 3 : 30);
+const HEAP_MIB = numArg('--heap-mib', quick ? 64 : 1100);
+const READS = quick ? 20 : 300;
 const COMMANDS = ['ls', 'cat small.txt'];
 const log = (s: string) => {
   if (!args.json) process.stderr.write(s + '\n');
@@ -155,7 +158,7 @@ async function measureThroughBroker(): Promise<{ read: number[]; exec: number[] 
   const exec: number[] = [];
   try {
     for (let i = 0; i < 20; i++) await sb.files.read('page.txt'); // warm-up
-    for (let i = 0; i < 300; i++) {
+    for (let i = 0; i < READS; i++) {
       const t0 = performance.now();
       await sb.files.read('page.txt');
       read.push(performance.now() - t0);

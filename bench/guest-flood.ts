@@ -6,7 +6,7 @@
  * unguarded (the previous code), alternating in one run. Each is sent the costliest frame
  * it lets through: guarded, timestamps up to the object limit then fixints; unguarded,
  * empty maps. Meanwhile another guest on the same loop is pinged every 50 ms.
- * `npx tsx bench/guest-flood.ts [--json] [--seconds N] [--rounds N]`
+ * `npx tsx bench/guest-flood.ts [--json] [--quick] [--seconds N] [--rounds N]`
  *
  *   loop_busy_{guarded,unguarded}   event loop utilisation during the flood (0..1)
  *   hostile_loop_share_guarded      loop time charged to the flooding guest over the flood's time
@@ -28,8 +28,10 @@ const opt = (name: string, dflt: number) => {
   const i = args.argv.indexOf(name);
   return i >= 0 ? Number(args.argv[i + 1]) : dflt;
 };
-const SECONDS = opt('--seconds', 4);
-const ROUNDS = opt('--rounds', 3);
+/** --quick: seconds (one round of a second each), to check the bench still runs to its JSON line (test/benches.test.ts). */
+const quick = args.argv.includes('--quick');
+const SECONDS = opt('--seconds', quick ? 1 : 4);
+const ROUNDS = opt('--rounds', quick ? 1 : 3);
 
 type Mode = 'quiet' | 'guarded' | 'unguarded';
 interface Sample { mode: Mode; busy: number; gapMs: number; pings: number[]; hostileShare: number | null; framesWritten: number }

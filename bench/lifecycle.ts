@@ -45,8 +45,15 @@ import { benchArgs, emit, markdownTable, median, percentile, round, writeResults
 import { prepareWorkspace } from './lib/sessions.ts';
 
 const args = benchArgs();
+/**
+ * --quick: the least that still runs every part once (a wake of each kind, one pending
+ * call, one slot, a small push, a few idle sessions), to check the bench reaches its JSON
+ * line (test/benches.test.ts, VM tier); its numbers are not a measurement.
+ */
 const quick = args.argv.includes('--quick');
-const WAKES = quick ? 5 : 20;
+const WAKES = quick ? 1 : 20;
+/** Sessions without a VM made at the end for the broker's memory per session. */
+const IDLE_SESSIONS = quick ? 10 : 200;
 const log = createLogger({ name: 'bench-lifecycle', level: 'warn' });
 const progress = (m: string) => process.stderr.write(`[lifecycle] ${m}\n`);
 const dataDir = mkdtempSync(join(tmpdir(), 'hutch-bench-lifecycle-'));
@@ -55,7 +62,8 @@ const token = randomBytes(12).toString('hex');
 const backend = await QemuBackend.create({ dataDir, cacheDir: cacheDir(), log });
 await backend.prepare({ memoryMiB: 512, cpus: 1 });
 // The project is copied under dataDir and given to the broker as a directory source.
-const broker = new Broker({ port: 0, token, dataDir, backend, fastPath: await createFastPath(log), log, idleMs: 3_600_000, workspaceRoots: [dataDir] });
+// Its principal holds the idle sessions at the end besides the bench's own, past the default session limit.
+const broker = new Broker({ port: 0, token, dataDir, backend, fastPath: await createFastPath(log), log, idleMs: 3_600_000, workspaceRoots: [dataDir], maxSessionsPerPrincipal: IDLE_SESSIONS + 8 });
 const port = await broker.start();
 const hutch = await Hutch.connect(`ws://127.0.0.1:${port}`, { token });
 // The same broker with one standby VM (what `hutch serve` runs by default), in its own data dir.
@@ -87,7 +95,7 @@ const lastRelease = (sb: Sandbox) => broker.sessions.get(sb.id).vm.lastRelease;
 // Baseline: bare restore to first agent reply, same host, same moment.
 const pristine = await backend.snapshots.pristine(backend.image, { memoryMiB: 512, cpus: 1, swapMiB: 512 });
 const bareRestore: number[] = [];
-for (let i = 0; i < 5; i++) {
+for (let i = 0; i < (quick ? 1 : 5); i++) {
   const t0 = performance.now();
   const vm = await backend.driver.restore({ id: `base${i}`, dir: join(dataDir, 'vms', `base${i}`), image: backend.image, memoryMiB: 512, cpus: 1, swapMiB: 512 }, pristine);
   const a = await connectAgent(vm, { timeoutMs: 60_000, log });
@@ -158,7 +166,7 @@ progress(`standby wakes (ms): ${standbyWakes.map((w) => w.toFixed(0)).join(' ')}
 // (the model still writing the call): what the call then waits for is what is left of the wake.
 const PENDING_LEAD_MS = 500;
 const pendingCalls: number[] = [];
-for (let i = 0; i < (quick ? 3 : 10); i++) {
+for (let i = 0; i < (quick ? 1 : 10); i++) {
   await sb.hint('tool_call_pending');
   await new Promise((r) => setTimeout(r, PENDING_LEAD_MS));
   const r = await sb.run('true', { route: 'vm' });
@@ -171,7 +179,7 @@ progress(`calls ${PENDING_LEAD_MS} ms after tool_call_pending (ms): ${pendingCal
 const snaps: number[] = [];
 const slotWakes: number[] = [];
 const slotBytes: number[] = [];
-for (let i = 0; i < (quick ? 2 : 5); i++) {
+for (let i = 0; i < (quick ? 1 : 5); i++) {
   await sb.run(`echo ${i} >> ~/.dirty`, { route: 'vm' });
   await released(sb);
   const rel = lastRelease(sb);
@@ -185,11 +193,11 @@ for (let i = 0; i < (quick ? 2 : 5); i++) {
 await sb.close();
 progress(`snapshot releases ${snaps.map((x) => x.toFixed(0)).join(' ')} ms; slot wakes ${slotWakes.map((x) => x.toFixed(0)).join(' ')} ms`);
 
-// Push throughput into a live guest: 64 MiB in files of 1 MiB and 64 KiB.
+// Push throughput into a live guest: 64 MiB in files of 1 MiB and 64 KiB (4 MiB quick).
 const big = join(dataDir, 'big');
 mkdirSync(big);
-for (let i = 0; i < 48; i++) writeFileSync(join(big, `m${i}.bin`), randomBytes(1024 * 1024));
-for (let i = 0; i < 256; i++) writeFileSync(join(big, `k${i}.bin`), randomBytes(64 * 1024));
+for (let i = 0; i < (quick ? 3 : 48); i++) writeFileSync(join(big, `m${i}.bin`), randomBytes(1024 * 1024));
+for (let i = 0; i < (quick ? 16 : 256); i++) writeFileSync(join(big, `k${i}.bin`), randomBytes(64 * 1024));
 const vm = await backend.driver.restore({ id: 'push', dir: join(dataDir, 'vms', 'push'), image: backend.image, memoryMiB: 512, cpus: 1, swapMiB: 512 }, pristine);
 const agent = await connectAgent(vm, { timeoutMs: 60_000, log });
 const w = new Workspace(big);
@@ -200,7 +208,7 @@ await vm.destroy();
 progress(`push: ${(ps.bytes / 1e6).toFixed(1)} MB in ${ps.ms.toFixed(0)} ms`);
 
 // Broker memory per session without a VM.
-const idleN = quick ? 50 : 200;
+const idleN = IDLE_SESSIONS;
 if (global.gc) global.gc();
 const before = process.memoryUsage().rss;
 const idle: Sandbox[] = [];

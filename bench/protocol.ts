@@ -1,5 +1,6 @@
 /**
  * Protocol throughput and RPC latency against the real agent process.
+ * `npx tsx bench/protocol.ts [--json] [--quick]`
  *   raw_mb_s          bytes through a plain Unix socket to an echo process and back (the baseline)
  *   proto_mb_s        the same bytes through one protocol stream to the agent (debug.echo) and back
  *   throughput_ratio  proto / raw
@@ -17,11 +18,13 @@ import { buildAgent } from '../guest-agent/build.ts';
 import { benchArgs, emit, markdownTable, median, percentile, round } from './lib/report.ts';
 
 const args = benchArgs();
+/** --quick: seconds, to check the bench still runs to its JSON line (test/benches.test.ts), not a measurement. */
+const quick = args.argv.includes('--quick');
 const MB = 1024 * 1024;
-const totalBytes = (args.argv.includes('--quick') ? 64 : 512) * MB;
+const totalBytes = (quick ? 16 : 512) * MB;
 const chunk = Buffer.alloc(256 * 1024, 0x5a);
-const rpcCalls = args.argv.includes('--quick') ? 500 : 3000;
-const rounds = 3;
+const rpcCalls = quick ? 200 : 3000;
+const rounds = quick ? 1 : 3;
 
 const dir = mkdtempSync(join(tmpdir(), 'hutch-bench-proto-'));
 const ws = join(dir, 'ws');

@@ -2,7 +2,7 @@
  * What the QEMU jail costs: restores and snapshots of the same guest with QEMU jailed (its
  * own user id, `-sandbox`, a pid namespace, disks as inherited descriptors; the default)
  * and with QEMU left as root without sandbox or namespace (`jail: false`; the disks and
- * the snapshot socket are the same), alternating in one run. `npx tsx bench/qemu-jail.ts [--json] [--runs N]`
+ * the snapshot socket are the same), alternating in one run. `npx tsx bench/qemu-jail.ts [--json] [--quick] [--runs N]`
  *
  *   jailed_restore_ms / plain_restore_ms    QEMU start to the agent's first reply, restored
  *                                           from the pristine snapshot (median)
@@ -28,7 +28,8 @@ import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
 
 const args = benchArgs();
 const runsIdx = args.argv.indexOf('--runs');
-const runs = runsIdx > 0 ? Number(args.argv[runsIdx + 1]) : 7;
+/** --quick: one round (a VM of each kind), to check the bench reaches its JSON line (test/benches.test.ts, VM tier). */
+const runs = runsIdx > 0 ? Number(args.argv[runsIdx + 1]) : args.argv.includes('--quick') ? 1 : 7;
 const log = createLogger({ name: 'bench-qemu-jail', level: 'warn' });
 const SIZE = { memoryMiB: 512, cpus: 1, swapMiB: 512 };
 const dataDir = mkdtempSync(join(tmpdir(), 'hutch-bench-jail-'));

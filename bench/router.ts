@@ -10,6 +10,7 @@
  * The corpus is every bash command of the recorded sessions (`--sessions DIR`, default the
  * benchmark corpus beside the checkout; see lib/sessions.ts) plus a set of typical agent
  * commands; each is routed `--rounds` times (default 200) after a warm-up.
+ * `npx tsx bench/router.ts [--json] [--quick] [--rounds N] [--sessions DIR]`
  */
 import { spawnSync } from 'node:child_process';
 import { readdirSync, readFileSync } from 'node:fs';
@@ -17,15 +18,18 @@ import { performance } from 'node:perf_hooks';
 import { initRouter, routeCommand } from '../host-broker/src/router/index.ts';
 import { parseScript } from '../host-broker/src/router/parser.ts';
 import { benchArgs, emit, markdownTable, median, percentile, round } from './lib/report.ts';
-import { benchCorpus } from './lib/sessions.ts';
+import { benchCorpus, EXAMPLE_SESSIONS } from './lib/sessions.ts';
 
 const args = benchArgs();
+/** --quick: seconds, on the repo's own corpus unless --sessions says otherwise (test/benches.test.ts). */
+const quick = args.argv.includes('--quick');
 const roundsArg = args.argv.indexOf('--rounds');
-const rounds = roundsArg >= 0 ? Number(args.argv[roundsArg + 1]) : 200;
+const rounds = roundsArg >= 0 ? Number(args.argv[roundsArg + 1]) : quick ? 5 : 200;
 const sessionsArg = args.argv.indexOf('--sessions');
 let sessionsDir: string;
 try {
-  sessionsDir = `${benchCorpus({ sessions: sessionsArg >= 0 ? args.argv[sessionsArg + 1] : undefined }).sessions}/`;
+  const given = sessionsArg >= 0 ? args.argv[sessionsArg + 1] : quick ? EXAMPLE_SESSIONS : undefined;
+  sessionsDir = `${benchCorpus({ sessions: given }).sessions}/`;
 } catch (err) {
   process.stderr.write(`router: ${(err as Error).message}\n`);
   process.exit(2);

@@ -2,7 +2,11 @@
  * Soak: sessions cycling wake, call, release through a real broker (qemu backend) while
  * faults are injected at random points, checking after every call that nothing was lost.
  *
- *   npx tsx bench/soak.ts --cycles N [--sessions K] [--fault-rate P] [--seed S] [--json]
+ *   npx tsx bench/soak.ts --cycles N [--sessions K] [--fault-rate P] [--seed S] [--faults a,b] [--json] [--quick]
+ *
+ * --quick: 4 cycles of one session, seed 1, faults qemu-kill and agent-exit only (a minute
+ * or two under TCG): checks the bench still runs to its JSON line (test/benches.test.ts, VM
+ * tier), not a soak. --faults narrows the kinds injected.
  *
  * Faults: SIGKILL of QEMU mid-call and mid-sync (while a call's many files are pulled
  * back), the guest's agent process killed, the guest frozen (SIGSTOP: the broker's
@@ -40,10 +44,13 @@ const flag = (name: string, dflt: number) => {
   if (!Number.isFinite(v)) throw new Error(`${name} needs a number`);
   return v;
 };
-const CYCLES = flag('--cycles', 20);
-const SESSIONS = flag('--sessions', 2);
-const FAULT_RATE = flag('--fault-rate', 0.35);
-const SEED = flag('--seed', Date.now() % 100_000);
+const quick = args.argv.includes('--quick');
+const CYCLES = flag('--cycles', quick ? 4 : 20);
+const SESSIONS = flag('--sessions', quick ? 1 : 2);
+const FAULT_RATE = flag('--fault-rate', quick ? 0.7 : 0.35);
+const SEED = flag('--seed', quick ? 1 : Date.now() % 100_000);
+const faultsIdx = args.argv.indexOf('--faults');
+const ONLY_FAULTS = faultsIdx >= 0 ? (args.argv[faultsIdx + 1] ?? '').split(',') : quick ? ['qemu-kill', 'agent-exit'] : undefined;
 const rng = seededRng(SEED);
 const progress = (m: string) => process.stderr.write(`[soak ${new Date().toISOString().slice(11, 19)}] ${m}\n`);
 
@@ -168,8 +175,10 @@ function same(a: Tree, b: Tree): boolean {
 const counts = { cycles: 0, calls: 0, ok: 0, failed: 0, hangs: 0, lost_files: 0, half_written: 0, leaked_processes: 0, leaked_files: 0, faults_injected: 0 };
 const faultsByKind: Record<string, number> = {};
 const errorsByCode: Record<string, number> = {};
-const FAULTS = ['qemu-kill', 'qemu-kill-in-sync', 'agent-exit', 'freeze', 'broker-kill', ...(loop ? ['disk-full'] : [])] as const;
-type Fault = (typeof FAULTS)[number];
+const FAULT_KINDS = ['qemu-kill', 'qemu-kill-in-sync', 'agent-exit', 'freeze', 'broker-kill', 'disk-full'] as const;
+type Fault = (typeof FAULT_KINDS)[number];
+for (const f of ONLY_FAULTS ?? []) if (!(FAULT_KINDS as readonly string[]).includes(f)) throw new Error(`--faults: unknown fault ${f} (${FAULT_KINDS.join(', ')})`);
+const FAULTS: readonly Fault[] = FAULT_KINDS.filter((f) => (ONLY_FAULTS === undefined || ONLY_FAULTS.includes(f)) && (f !== 'disk-full' || loop !== undefined));
 
 let run = await startRunner();
 let hutch = await Hutch.connect(run.url, { token });
@@ -284,7 +293,8 @@ for (let cycle = 0; cycle < CYCLES; cycle++) {
         call = () => s.sb.run(`git config --global user.name soak${cycle}`, { route: 'vm' });
         break;
     }
-    const fault: Fault | undefined = kind !== 'inproc-write' && rng() < FAULT_RATE ? pick(rng, kind === 'vm-many' ? FAULTS : FAULTS.filter((f) => f !== 'qemu-kill-in-sync')) : undefined;
+    const fits = kind === 'vm-many' ? FAULTS : FAULTS.filter((f) => f !== 'qemu-kill-in-sync');
+    const fault: Fault | undefined = kind !== 'inproc-write' && fits.length > 0 && rng() < FAULT_RATE ? pick(rng, fits) : undefined;
     let filler: string | undefined;
     if (fault === 'disk-full') {
       filler = fillDisk();

@@ -5,7 +5,7 @@
  *   scan_p50_ms            per tree size, the scan as shipped (directories listed on the agent's thread)
  *   baseline_scan_p50_ms   the same scan listing through libuv's thread pool (the previous code)
  *   speedup                baseline / shipped, per size
- * Raw per-round times are kept in the raw line.
+ * Raw per-round times are kept in the raw line. `npx tsx bench/sync-scan.ts [--json] [--quick]`
  */
 import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -16,9 +16,11 @@ import { WorkspaceSync, type RecordSink } from '../guest-agent/src/workspace/syn
 import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
 
 const args = benchArgs();
+/** --quick: seconds, to check the bench still runs to its JSON line (test/benches.test.ts), not a measurement. */
 const quick = args.argv.includes('--quick');
 const SIZES = quick ? [100, 1_000] : [100, 1_000, 10_000];
-const ROUNDS = quick ? 15 : 41;
+const ROUNDS = quick ? 3 : 41;
+const REPS = quick ? 1 : 3;
 
 const dir = mkdtempSync(join(tmpdir(), 'hutch-bench-scan-'));
 process.on('exit', () => rmSync(dir, { recursive: true, force: true }));
@@ -61,7 +63,7 @@ for (const n of SIZES) {
   // Alternate the two so machine noise hits both alike.
   const shipped: number[] = [];
   const pool: number[] = [];
-  for (let rep = 0; rep < 3; rep++) {
+  for (let rep = 0; rep < REPS; rep++) {
     pool.push(...(await timeScans(root, true)));
     shipped.push(...(await timeScans(root, false)));
   }
@@ -72,4 +74,4 @@ for (const n of SIZES) {
   rows.push({ entries: n, scan_p50_ms: scan[n], baseline_scan_p50_ms: baseline[n], speedup: speedup[n] });
 }
 
-emit('Guest change scan (native)', markdownTable(rows), { scan_p50_ms: scan, baseline_scan_p50_ms: baseline, speedup, rounds: ROUNDS * 3 }, args.json ? raw : undefined);
+emit('Guest change scan (native)', markdownTable(rows), { scan_p50_ms: scan, baseline_scan_p50_ms: baseline, speedup, rounds: ROUNDS * REPS }, args.json ? raw : undefined);

@@ -3,7 +3,7 @@
  * N fresh sandboxes started from the template's pristine snapshot (QEMU restore to a
  * usable agent with the workspace pushed), one at a time. Timings move with the host's load.
  *
- *   npx tsx bench/templates.ts [--data-dir D] [--runs N] [--json]
+ *   npx tsx bench/templates.ts [--data-dir D] [--runs N] [--json] [--quick]
  * Last line: one JSON object { templates: { name: { snapshotBytes, restoreMs: [...], wakeMs: [...] } } }.
  */
 import { mkdirSync, mkdtempSync, rmSync } from 'node:fs';
@@ -15,12 +15,13 @@ import { QemuBackend } from '../host-broker/src/backends/qemu-backend.ts';
 import { cacheDir } from '../host-broker/src/backends/registry.ts';
 import { defaultDataDir, TemplateStore } from '../host-broker/src/templates/store.ts';
 
-const { values } = parseArgs({ options: { 'data-dir': { type: 'string' }, runs: { type: 'string', default: '3' }, json: { type: 'boolean', default: false } } });
+const { values } = parseArgs({ options: { 'data-dir': { type: 'string' }, runs: { type: 'string' }, json: { type: 'boolean', default: false }, quick: { type: 'boolean', default: false } } });
 const dataDir = defaultDataDir(values['data-dir']);
-const runs = Number(values.runs);
+/** --quick: one sandbox of the default template only, to check the bench reaches its JSON line (test/benches.test.ts, VM tier). */
+const runs = Number(values.runs ?? (values.quick ? 1 : 3));
 const log = createLogger({ name: 'bench-templates', level: 'warn' });
 const backend = await QemuBackend.create({ dataDir, cacheDir: cacheDir(), log });
-const names = ['default', ...new TemplateStore(dataDir).list().map((e) => e.name)];
+const names = ['default', ...(values.quick ? [] : new TemplateStore(dataDir).list().map((e) => e.name))];
 const work = mkdtempSync(join(tmpdir(), 'hutch-bench-templates-'));
 const out: Record<string, { snapshotBytes: number; restoreMs: number[]; wakeMs: number[] }> = {};
 try {

@@ -32,24 +32,25 @@ import { seededRng, streamSeed } from './lib/tenants-rng.ts';
 import { AWAY_MEAN_S, AWAY_SIGMA, type CallSample } from './lib/tenants-tenant.ts';
 
 const HELP = `usage: npx tsx bench/tenants.ts [options]
-  --quick               small N, compressed time: a smoke of a few minutes
+  --quick               one step of one tenant, 20 s, time compressed 60x, two sessions of the repo's own
+                        corpus unless --sessions is given: checks the bench runs to its JSON line, no search
   --json                last line: one JSON object (accel, level, tenants, calls, wakes, errors, ...)
   --level L[:MAX],...   levels to run: 1 2 3 4 reclaim prefetch (default 4); :MAX caps N for that level
   --tenants N           run one step at N instead of searching
   --start-tenants N     first N of the search (default 1)
-  --max-tenants N       cap on N (default 2 quick, 64 full)
-  --duration S          wall seconds per step (default 30 quick, 300 full)
-  --time-compression F  think and away times divided by F (default 10 quick, 1 full)
+  --max-tenants N       cap on N (default 1 quick, 64 full)
+  --duration S          wall seconds per step (default 20 quick, 300 full)
+  --time-compression F  think and away times divided by F (default 60 quick, 1 full)
   --rule R              pass rule that drives the search: broker (default; p99 of the broker's own added
                         time < 1.5 s, which a TCG host can judge) or published (p99 added over bare host
                         < 1.5 s); the largest passing N under both is reported either way
-  --budget-min M        wall-clock budget of the whole search, all levels (default 5 quick, 60 full)
+  --budget-min M        wall-clock budget of the whole search, all levels (default 3 quick, 60 full)
   --seed S              workload seed (default 1)
   --sessions DIR        recorded sessions (default ${SESSIONS_DIR} when it exists;
                         the repo's own small corpus is ${EXAMPLE_SESSIONS})
   --projects DIR        projects looked up here first, then in ${PROJECTS_DIR} (when it exists)
                         and ${EXAMPLE_PROJECTS}
-  --session-count K     replay a seeded subset of K sessions (default 8 quick, all full)
+  --session-count K     replay a seeded subset of K sessions (default 2 quick, all full)
   --bare-reps K         bare replays per session for the baseline, median per call (default 1 quick, 3 full)
   --render              only re-render tenants.md and tenants.svg from the tenants.json in --out (no run)
   --out DIR             write tenants.{json,md,svg,raw.json} here, merged by level (default bench/results unless --quick)
@@ -94,17 +95,17 @@ function num(name: string, v: string | undefined, dflt: number, min: number): nu
 
 const quick = a.quick;
 const single = a.tenants !== undefined ? Math.floor(num('tenants', a.tenants, 1, 1)) : undefined;
-const maxTenants = Math.floor(num('max-tenants', a['max-tenants'], single ?? (quick ? 2 : 64), 1));
+const maxTenants = Math.floor(num('max-tenants', a['max-tenants'], single ?? (quick ? 1 : 64), 1));
 const startTenants = Math.floor(num('start-tenants', a['start-tenants'], single ?? 1, 1));
-const durationS = num('duration', a.duration, quick ? 30 : 300, 5);
-const compression = num('time-compression', a['time-compression'], quick ? 10 : 1, 1);
-const budgetMin = num('budget-min', a['budget-min'], quick ? 5 : 60, 1);
+const durationS = num('duration', a.duration, quick ? 20 : 300, 5);
+const compression = num('time-compression', a['time-compression'], quick ? 60 : 1, 1);
+const budgetMin = num('budget-min', a['budget-min'], quick ? 3 : 60, 1);
 const seed = Math.floor(num('seed', a.seed, 1, 0));
 const bareReps = Math.floor(num('bare-reps', a['bare-reps'], quick ? 1 : 3, 1));
-const sessionCount = a['session-count'] !== undefined ? Math.floor(num('session-count', a['session-count'], 1, 1)) : quick ? 8 : Infinity;
+const sessionCount = a['session-count'] !== undefined ? Math.floor(num('session-count', a['session-count'], 1, 1)) : quick ? 2 : Infinity;
 let corpus;
 try {
-  corpus = benchCorpus({ sessions: a.sessions, projects: a.projects });
+  corpus = benchCorpus({ sessions: a.sessions ?? (quick ? EXAMPLE_SESSIONS : undefined), projects: a.projects });
 } catch (err) {
   process.stderr.write(`tenants: ${(err as Error).message}\n`);
   process.exit(2);

@@ -43,7 +43,15 @@ import { benchArgs, emit, markdownTable, median, round } from './lib/report.ts';
 import { prepareWorkspace } from './lib/sessions.ts';
 
 const args = benchArgs();
+/**
+ * --quick: the least that still runs every part once (one cold boot, one restore, two idle
+ * VMs, the unittest comparison on the repo's own invoicer; no bytecode-less run, no tb-size
+ * sweep), to check the bench reaches its JSON line (test/benches.test.ts, VM tier).
+ */
 const quick = args.argv.includes('--quick');
+/** The project whose `python3 -m unittest` is timed: the benchmark corpus's datespan, or the repo's invoicer when quick. */
+const UNITTEST_PROJECT = quick ? 'invoicer' : 'datespan';
+const IDLE_VMS = quick ? 2 : 10;
 const tbIdx = args.argv.indexOf('--tb');
 const tbMiB = tbIdx > 0 ? Number(args.argv[tbIdx + 1]) : undefined;
 const log = createLogger({ name: 'bench-vm', level: 'warn' });
@@ -71,7 +79,7 @@ async function firstReply(start: () => Promise<Vm>, timeoutMs: number): Promise<
 }
 
 const coldRuns = quick ? 1 : 3;
-const restoreRuns = quick ? 3 : 7;
+const restoreRuns = quick ? 1 : 7;
 const cold: number[] = [];
 for (let i = 0; i < coldRuns; i++) {
   const r = await firstReply(() => backend.driver.boot(spec()), 300_000);
@@ -94,7 +102,7 @@ progress(`restores: ${restore.map((x) => x.toFixed(0)).join(', ')} ms`);
 // are on a host with many tenants).
 const IDLE_CALL = 'ls -la / >/dev/null && python3 -c "import json; print(json.dumps({\'ok\': sum(range(100000))}))"';
 const idle: Array<{ vm: Vm; agent: AgentClient }> = [];
-for (let i = 0; i < 10; i++) {
+for (let i = 0; i < IDLE_VMS; i++) {
   const r = await firstReply(() => backend.driver.restore(spec(), pristine), 60_000);
   await r.agent.call('agent.resume', { unixTimeMs: Date.now(), entropy: new Uint8Array(64).map(() => Math.random() * 256) });
   idle.push({ vm: r.vm, agent: r.agent });
@@ -143,7 +151,7 @@ const afterIdle = {
   pss_mib_excl_tcg_idle_policy: idleMib((m) => m.excludingTcg.pssKiB),
   idle_policy_reclaimed_mib: round(median(idleOutcomes.map((o) => (o.reclaim?.reclaimedBytes ?? 0) / 2 ** 20)), 1),
 };
-progress(`10 idle VMs: private ${median(privMiB).toFixed(1)} MiB, PSS ${median(pssMiB).toFixed(1)} MiB, RSS ${median(rssMiB).toFixed(1)} MiB each`);
+progress(`${IDLE_VMS} idle VMs: private ${median(privMiB).toFixed(1)} MiB, PSS ${median(pssMiB).toFixed(1)} MiB, RSS ${median(rssMiB).toFixed(1)} MiB each`);
 progress(`after a call: ${JSON.stringify(after)}`);
 progress(`after a call and the guest's idle policy: ${JSON.stringify(afterIdle)}`);
 
@@ -176,8 +184,8 @@ async function unittestCpu(
   const { vm, agent } = await firstReply(() => be.driver.restore(spec({ image }), snapshot), 60_000);
   try {
     await agent.call('agent.resume', { unixTimeMs: Date.now(), entropy: new Uint8Array(64).fill(7) });
-    const ws = join(dataDir, `datespan-${vm.spec.id}`);
-    prepareWorkspace('datespan', ws);
+    const ws = join(dataDir, `${UNITTEST_PROJECT}-${vm.spec.id}`);
+    prepareWorkspace(UNITTEST_PROJECT, ws);
     const w = new Workspace(ws);
     await new WorkspaceMirror(w, new WorkspaceSync(w)).push(agent);
     const cpu: number[] = [];
@@ -219,15 +227,15 @@ const coldPristine = await backend.snapshots.pristine({ ...coldImage, key: backe
 const coldPy = await unittestCpu(coldPristine, coldImage);
 // And with no bytecode at all (what a guest without the build-time compile would pay):
 // Python compiles every stdlib module it imports from source, and cannot save the result.
-const noPyc = await unittestCpu(coldPristine, coldImage, 'PYTHONDONTWRITEBYTECODE=1 PYTHONPYCACHEPREFIX=/nonexistent ');
-progress(`unittest CPU (first/second run): preloaded ${preloaded.first.toFixed(0)}/${preloaded.second.toFixed(0)} ms, no preload ${coldPy.first.toFixed(0)}/${coldPy.second.toFixed(0)} ms, no bytecode ${noPyc.first.toFixed(0)}/${noPyc.second.toFixed(0)} ms`);
+const noPyc = quick ? undefined : await unittestCpu(coldPristine, coldImage, 'PYTHONDONTWRITEBYTECODE=1 PYTHONPYCACHEPREFIX=/nonexistent ');
+progress(`unittest CPU (first/second run): preloaded ${preloaded.first.toFixed(0)}/${preloaded.second.toFixed(0)} ms, no preload ${coldPy.first.toFixed(0)}/${coldPy.second.toFixed(0)} ms${noPyc ? `, no bytecode ${noPyc.first.toFixed(0)}/${noPyc.second.toFixed(0)} ms` : ''}`);
 
 // What a smaller translation buffer costs a guest workload: the same restored-VM unittest
 // run at each tb-size, rounds interleaved so load drifts hit every size alike. Only under
 // TCG (KVM has no buffer).
 const TB_SIZES = [64, 32, 16] as const;
 const tbRuns: Record<number, Array<{ wallMs: number; cpuMs: number; residentMiB: number; anonExclTcgMiB: number; flushes: number | null }>> = { 64: [], 32: [], 16: [] };
-if (backend.accel === 'tcg') {
+if (backend.accel === 'tcg' && !quick) {
   const backends = new Map<number, QemuBackend>();
   for (const tb of TB_SIZES) {
     backends.set(tb, await QemuBackend.create({ dataDir: join(dataDir, `tb${tb}`), cacheDir: cacheDir(), log, tcgTbMiB: tb }));
@@ -276,7 +284,7 @@ const summary = {
   unittest_cpu_ratio: round(preloaded.first / coldPy.first, 2),
   unittest_cpu_ms_preloaded_second_run: round(preloaded.second, 0),
   unittest_cpu_ms_cold_second_run: round(coldPy.second, 0),
-  unittest_cpu_ms_no_bytecode: round(noPyc.first, 0),
+  unittest_cpu_ms_no_bytecode: noPyc ? round(noPyc.first, 0) : null,
   pristine_build_ms: backend.image.built.kernelSeconds || backend.image.built.rootfsSeconds || pristineMs > 5000 ? round(pristineMs, 0) : 0,
   ...(backend.image.built.kernelSeconds ? { kernel_build_s: round(backend.image.built.kernelSeconds, 0) } : {}),
   ...(backend.image.built.rootfsSeconds ? { rootfs_build_s: round(backend.image.built.rootfsSeconds, 0) } : {}),
@@ -287,8 +295,8 @@ emit(
     { measure: 'restore / cold boot', value: summary.restore_over_boot, aim: '<= 0.05' },
     { measure: 'cold boot to first agent reply (ms, median)', value: summary.cold_boot_ms, aim: '' },
     { measure: 'restore to first agent reply (ms, median)', value: summary.restore_ms, aim: '' },
-    { measure: 'private MiB per idle VM (10 restored)', value: summary.private_mib_per_idle_vm, aim: '<= 40' },
-    { measure: 'PSS MiB per idle VM (10 restored)', value: summary.pss_mib_per_idle_vm, aim: '' },
+    { measure: `private MiB per idle VM (${IDLE_VMS} restored)`, value: summary.private_mib_per_idle_vm, aim: '<= 40' },
+    { measure: `PSS MiB per idle VM (${IDLE_VMS} restored)`, value: summary.pss_mib_per_idle_vm, aim: '' },
     { measure: 'private MiB per idle VM after a call', value: summary.private_mib_after_call, aim: '' },
     { measure: 'PSS MiB per idle VM after a call', value: summary.pss_mib_after_call, aim: '' },
     { measure: `TCG translation buffer resident MiB after a call (tb-size ${summary.tcg_tb_size_mib})`, value: summary.tcg_tb_mib, aim: '' },

@@ -12,6 +12,10 @@
  *
  * `npx tsx bench/wakeup-memory.ts [--json] [--rounds N] [--quick]`
  *
+ * --quick: the Python server without the corpus's projects (it keeps its stdlib and state),
+ * the stock policy alone, two rounds (one VM), to check the bench reaches its JSON line
+ * (test/benches.test.ts, VM tier); its numbers are not a measurement.
+ *
  *   <workload>_<policy>_swap_mb_read   MB read from the swap disk by the wake (prefetch + call), median
  *   <workload>_<policy>_wake_ms        mem.policy active + call (the prefetch runs inside it), host wall time, median
  *   <workload>_<policy>_idle_host_mib  what the idle VM costs the host after reclaim, once free page reporting
@@ -45,17 +49,21 @@ import { NODE_LSP, PYTHON_REPL, callWorkload, startWorkload, type LongLivedWorkl
 
 const args = benchArgs();
 const roundsIdx = args.argv.indexOf('--rounds');
-const ROUNDS = roundsIdx > 0 ? Number(args.argv[roundsIdx + 1]) : args.argv.includes('--quick') ? 2 : 4;
+const quick = args.argv.includes('--quick');
+const ROUNDS = roundsIdx > 0 ? Number(args.argv[roundsIdx + 1]) : quick ? 2 : 4;
 if (!Number.isInteger(ROUNDS) || ROUNDS < 2) throw new Error('--rounds must be an integer >= 2 (round 1 is a warm-up)');
-const POLICIES = ['stock', 'prefetch', 'hotset'] as const;
-type Policy = (typeof POLICIES)[number];
+const ALL_POLICIES = ['stock', 'prefetch', 'hotset'] as const;
+type Policy = (typeof ALL_POLICIES)[number];
+const POLICIES: readonly Policy[] = quick ? ['stock'] : ALL_POLICIES;
 /** The policy's steps each setting switches; everything else as the broker runs it (DEFAULT_MEMORY_POLICY). */
 const STEPS: Record<Policy, Partial<MemoryPolicySteps>> = {
   stock: { hotSetLast: false, prefetch: false },
   prefetch: { hotSetLast: false, prefetch: true },
   hotset: { hotSetLast: true, prefetch: false },
 };
-const WORKLOADS: LongLivedWorkload[] = [PYTHON_REPL, NODE_LSP];
+/** The Python server with no projects to test: its start command without their names. */
+const PYTHON_ALONE: LongLivedWorkload = { ...PYTHON_REPL, projects: [], start: PYTHON_REPL.start.replace(` ${PYTHON_REPL.projects.join(' ')}`, '') };
+const WORKLOADS: LongLivedWorkload[] = quick ? [PYTHON_ALONE] : [PYTHON_REPL, NODE_LSP];
 const SIZE = { memoryMiB: 512, cpus: 1, swapMiB: 512 };
 const PAGE = 4096;
 const log = createLogger({ name: 'bench-wakeup-memory', level: 'warn' });

@@ -154,14 +154,14 @@ describe('broker restart', () => {
   it('keeps sessions and their workspaces across a restart', async () => {
     const first = await startBroker();
     const h = await first.connect();
-    const sb = await h.create({ id: 'survivor', workspace: { files: { 'state.txt': 'before restart\n' } } });
+    const sb = await h.create({ workspace: { files: { 'state.txt': 'before restart\n' } } });
     await sb.run('echo more >> state.txt', { route: 'vm' });
     await first.stop({ keepData: true });
     const second = await startBroker({ dataDir: first.dataDir });
     const h2 = await second.connect();
-    const again = await h2.attach('survivor');
+    const again = await h2.attach(sb.id);
     expect((await again.run('cat state.txt', { route: 'vm' })).stdout).toBe('before restart\nmore\n');
-    expect(readFileSync(join(first.dataDir, 'sessions', 'survivor', 'workspace', 'state.txt'), 'utf8')).toContain('more');
+    expect(readFileSync(join(first.dataDir, 'sessions', sb.id, 'workspace', 'state.txt'), 'utf8')).toContain('more');
     await second.stop();
   });
 });

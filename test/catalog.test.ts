@@ -57,14 +57,21 @@ describe.skipIf(skip !== undefined)('the Redis catalog', () => {
     await cat.removeBroker('n1');
     expect(await cat.liveBrokers()).toEqual([]);
 
-    const results = await Promise.all([cat.claimSession('s-1', { broker: 'n1', principal: 'alice' }), cat.claimSession('s-1', { broker: 'n2', principal: 'bob' })]);
+    // Two placements of one principal's id at once: exactly one wins.
+    const results = await Promise.all([cat.claimSession('s-1', { broker: 'n1', principal: 'alice' }), cat.claimSession('s-1', { broker: 'n2', principal: 'alice' })]);
     expect(results.filter(Boolean)).toHaveLength(1);
-    const owner = (await cat.session('s-1')) as { broker: string; principal: string };
-    const other = owner.broker === 'n1' ? { broker: 'n2', principal: 'bob' } : { broker: 'n1', principal: 'alice' };
+    const owner = (await cat.session('alice', 's-1')) as { broker: string; principal: string };
+    const other = { broker: owner.broker === 'n1' ? 'n2' : 'n1', principal: 'alice' };
     expect(await cat.releaseSession('s-1', other)).toBe(false);
-    expect(await cat.session('s-1')).toEqual(owner);
+    expect(await cat.session('alice', 's-1')).toEqual(owner);
+    // Another principal's id is another key: neither sees nor takes alice's.
+    expect(await cat.session('bob', 's-1')).toBeUndefined();
+    expect(await cat.claimSession('s-1', { broker: 'n3', principal: 'bob' })).toBe(true);
+    expect(await cat.session('alice', 's-1')).toEqual(owner);
+    expect(await cat.session('bob', 's-1')).toEqual({ broker: 'n3', principal: 'bob' });
     expect(await cat.releaseSession('s-1', owner)).toBe(true);
-    expect(await cat.session('s-1')).toBeUndefined();
+    expect(await cat.session('alice', 's-1')).toBeUndefined();
+    expect(await cat.session('bob', 's-1')).toEqual({ broker: 'n3', principal: 'bob' });
     cat.close();
   });
 

@@ -133,9 +133,9 @@ describe('broker restart', { tags: ['vm'] }, () => {
     };
     const first = start();
     const h1 = await Hutch.connect(await first.url, { token });
-    const sb = await h1.create({ id: 'restart-me', workspace: { files: { 'f.txt': 'kept\n' } } });
+    const sb = await h1.create({ workspace: { files: { 'f.txt': 'kept\n' } } });
     await sb.run('git config --global user.name x', { route: 'vm' });
-    expect(qemuPids(join(dataDir, 'vms', 'restart-me')).length).toBe(1);
+    expect(qemuPids(join(dataDir, 'vms', sb.id)).length).toBe(1);
     // hutch serve keeps a standby VM (--standby 1): after the wake it restores one.
     await waitFor(async () => qemuPids(dataDir).length === 2, 60_000);
     first.p.kill('SIGKILL');
@@ -144,10 +144,10 @@ describe('broker restart', { tags: ['vm'] }, () => {
     await waitFor(async () => qemuPids(dataDir).length === 0, 10_000);
     const second = start();
     const h2 = await Hutch.connect(await second.url, { token });
-    const again = await h2.attach('restart-me');
+    const again = await h2.attach(sb.id);
     expect((await again.run('cat f.txt', { route: 'vm' })).stdout).toBe('kept\n');
     // The killed broker's VM directories are gone; what is there now is this broker's.
-    expect(readdirSync(join(dataDir, 'vms')).filter((d) => !d.startsWith('standby-'))).toEqual(['restart-me']);
+    expect(readdirSync(join(dataDir, 'vms')).filter((d) => !d.startsWith('standby-'))).toEqual([sb.id]);
     h2.close();
     second.p.kill('SIGTERM');
     await new Promise((r) => second.p.once('exit', r));
@@ -163,8 +163,8 @@ describe('broker restart', { tags: ['vm'] }, () => {
     const policy = { idlePolicy: 'reclaim' as const };
     const first = await startBroker({ backend: 'qemu', policy });
     const h1 = await first.connect();
-    const idle = await h1.create({ id: 'reclaimed-at-stop', workspace: { files: { 'a.txt': 'a\n' } } });
-    const live = await h1.create({ id: 'live-at-stop', workspace: { files: { 'b.txt': 'b\n' } } });
+    const idle = await h1.create({ workspace: { files: { 'a.txt': 'a\n' } } });
+    const live = await h1.create({ workspace: { files: { 'b.txt': 'b\n' } } });
     const bg = 'setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo started';
     expect((await idle.run(`echo from-the-reclaimed-vm > ~/marker; ${bg}`, { route: 'vm' })).stdout).toBe('started\n');
     expect((await live.run(`echo from-the-live-vm > ~/marker; ${bg}`, { route: 'vm' })).stdout).toBe('started\n');
@@ -175,10 +175,10 @@ describe('broker restart', { tags: ['vm'] }, () => {
     };
     await waitFor(async () => (await releases('reclaim')) === 1, 120_000);
     await first.stop({ keepData: true });
-    for (const id of ['reclaimed-at-stop', 'live-at-stop']) expect(existsSync(join(first.dataDir, 'sessions', id, 'state', 'slots', 'current'))).toBe(true);
+    for (const id of [idle.id, live.id]) expect(existsSync(join(first.dataDir, 'sessions', id, 'state', 'slots', 'current'))).toBe(true);
     const second = await startBroker({ backend: 'qemu', policy, dataDir: first.dataDir });
     const h2 = await second.connect();
-    for (const [id, marker] of [['reclaimed-at-stop', 'from-the-reclaimed-vm'], ['live-at-stop', 'from-the-live-vm']] as const) {
+    for (const [id, marker] of [[idle.id, 'from-the-reclaimed-vm'], [live.id, 'from-the-live-vm']] as const) {
       const r = await (await h2.attach(id)).run('cat ~/marker; pgrep -c -x sleep', { route: 'vm' });
       expect(r.woke).toBe(true);
       expect(r.stdout).toBe(`${marker}\n1\n`);

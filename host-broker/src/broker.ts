@@ -4,11 +4,12 @@ import { join, resolve } from 'node:path';
 import type { z } from 'zod';
 import { HutchError } from '../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
-import { HARNESS_API_VERSION, OPS, type OpName, type SessionTelemetry, type TelemetryEvent, type TelemetryParams } from './api/harness-protocol.ts';
+import { HARNESS_API_VERSION, opParams, TELEMETRY_SAMPLE_TIMEOUT_MS, type OpName, type SessionTelemetry, type TelemetryEvent, type TelemetryParams } from './api/harness-protocol.ts';
 import { Principals } from './api/principals.ts';
 import { DEFAULT_WS_LIMITS, WsServer, bearer, sendLimits, type OpContext, type WsLimits } from './api/ws-server.ts';
 import { SendBudget } from './api/send-budget.ts';
 import { loopbackUrl, McpHttpEndpoint } from './mcp/http.ts';
+import { ownHostNames, type McpHttpAllowed } from './mcp/http-origin.ts';
 import { E2bEndpoint } from './e2b/endpoint.ts';
 import type { VmBackend } from './backends/backend.ts';
 import { initRouter } from './router/index.ts';
@@ -64,6 +65,8 @@ export interface BrokerOptions {
   slotDisk?: Partial<Omit<SlotDiskOptions, 'dir'>>;
   /** Member of a cluster behind gateways: catalog registration with a lease, /load, the gateway credential. */
   cluster?: ClusterOptions;
+  /** /mcp's browser origins (none by default) and Host names beyond the broker's own (mcp/http-origin.ts). */
+  mcpHttp?: McpHttpAllowed;
 }
 
 /** Host locations an answer must not name: the data dir (as given and resolved) and the cache under HOME. */
@@ -78,9 +81,6 @@ function hostPaths(dataDir: string): Array<{ path: string; as: string }> {
 
 /** The broker's version (package.json), told to clients in the hello frame. */
 const BROKER_VERSION = (JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string }).version;
-
-/** A sample's deadline: generous, since an emulated (TCG) guest under load answers slowly. */
-const TELEMETRY_TIMEOUT_MS = 5000;
 
 function withTimeout<T>(p: Promise<T>, ms: number, fallback: T): Promise<T> {
   return new Promise((resolve, reject) => {
@@ -121,15 +121,6 @@ export function defaultAdmission(): AdmissionOptions {
   };
 }
 
-function params<O extends OpName>(op: O, raw: unknown): z.infer<(typeof OPS)[O]> {
-  const parsed = OPS[op].safeParse(raw);
-  if (!parsed.success) {
-    const i = parsed.error.issues[0];
-    throw new HutchError('bad_request', `invalid ${op} params: ${i?.path.join('.') || '(params)'}: ${i?.message}`, { op });
-  }
-  return parsed.data as z.infer<(typeof OPS)[O]>;
-}
-
 /** The host daemon: sessions behind a WebSocket, calls routed per tool. */
 export class Broker {
   readonly sessions: SessionManager;
@@ -167,7 +158,11 @@ export class Broker {
 
   constructor(private readonly opts: BrokerOptions) {
     this.principals = new Principals({ ...(opts.token !== undefined ? { default: opts.token } : {}), ...opts.tokens });
-    this.mcp = new McpHttpEndpoint({ brokerUrl: () => loopbackUrl(opts.host, this.port), log: opts.log });
+    this.mcp = new McpHttpEndpoint({
+      brokerUrl: () => loopbackUrl(opts.host, this.port),
+      log: opts.log,
+      origins: { allowedOrigins: opts.mcpHttp?.allowedOrigins ?? [], allowedHosts: ownHostNames({ listenHost: opts.host, advertiseUrl: opts.cluster?.advertiseUrl, extra: opts.mcpHttp?.allowedHosts }) },
+    });
     privateDir(opts.dataDir);
     this.policy = { ...DEFAULT_POLICY, ...opts.policy, ...(opts.idleMs !== undefined ? { idleMs: opts.idleMs } : {}) };
     const admission = { ...defaultAdmission(), ...opts.admission };
@@ -346,7 +341,7 @@ export class Broker {
   async telemetry(session?: string, principal?: string): Promise<TelemetryEvent> {
     const targets = session ? [this.sessions.get(session, principal)] : this.sessions.all(principal);
     const sessions = await Promise.all(
-      targets.map((s) => withTimeout(s.telemetry(), TELEMETRY_TIMEOUT_MS, { session: s.id, vm: 'live' as const, error: `no sample within ${TELEMETRY_TIMEOUT_MS} ms` })),
+      targets.map((s) => withTimeout(s.telemetry(), TELEMETRY_SAMPLE_TIMEOUT_MS, { session: s.id, vm: 'live' as const, error: `no sample within ${TELEMETRY_SAMPLE_TIMEOUT_MS} ms` })),
     );
     for (const t of sessions) if (t.sample || t.vm !== 'live') this.lastSamples.set(t.session, t);
     return { atMs: Date.now(), sessions };
@@ -377,13 +372,17 @@ export class Broker {
     }
     switch (op) {
       case 'create': {
-        const s = await this.sessions.create(params('create', raw), who);
+        const p = opParams('create', raw);
+        // An id of the tenant's choosing could be another principal's (planted, then handed
+        // out by a catalog rebuilt first come, first served): only a gateway names one.
+        if (p.id !== undefined && !ctx.viaGateway) throw new HutchError('bad_request', 'a session id is chosen by the broker: create without id and keep the id it answers', { op: 'create' });
+        const s = await this.sessions.create(p, who);
         return s.info();
       }
       case 'attach':
-        return this.sessions.get(params('attach', raw).session, who).info();
+        return this.sessions.get(opParams('attach', raw).session, who).info();
       case 'close': {
-        const p = params('close', raw);
+        const p = opParams('close', raw);
         const r = await this.sessions.close(p.session, p.keepWorkspace ?? false, who);
         this.lastSamples.delete(p.session);
         return r;
@@ -391,7 +390,7 @@ export class Broker {
       case 'sessions':
         return { sessions: this.sessions.list(who) };
       case 'call': {
-        const p = params('call', raw);
+        const p = opParams('call', raw);
         const stream = p.stream ?? false;
         return this.sessions.get(p.session, who).call(p.tool, p.args, {
           signal: ctx.signal,
@@ -401,12 +400,12 @@ export class Broker {
         });
       }
       case 'hint': {
-        const p = params('hint', raw);
+        const p = opParams('hint', raw);
         this.sessions.get(p.session, who).hint(p.hint);
         return { accepted: true };
       }
       case 'telemetry':
-        return this.subscribe(params('telemetry', raw), ctx);
+        return this.subscribe(opParams('telemetry', raw), ctx);
       case 'signal':
         throw new HutchError('internal', 'signal is handled by the transport');
     }

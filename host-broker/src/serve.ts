@@ -3,6 +3,7 @@
  * otherwise) and the Broker, started. What `hutch serve` runs once its options are checked,
  * and what the demo, the examples and the benches start.
  */
+import type { McpHttpAllowed } from './mcp/http-origin.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
 import type { WsLimits } from './api/ws-server.ts';
 import { createBackend } from './backends/registry.ts';
@@ -16,6 +17,8 @@ import { createFastPath } from './tools/fastpath-factory.ts';
 export const DEFAULT_STANDBY = 1;
 
 export interface ServeOptions {
+  /** /mcp's browser origins and extra Host names (--allowed-origin, --allowed-host). */
+  mcpHttp?: McpHttpAllowed;
   port: number;
   host: string;
   /** The single-token case (principal "default"). */
@@ -86,6 +89,7 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     ...(o.quota ? { quota: o.quota } : {}),
     ...(o.cluster ? { cluster: o.cluster } : {}),
     ...(o.slotDisk ? { slotDisk: o.slotDisk } : {}),
+    ...(o.mcpHttp ? { mcpHttp: o.mcpHttp } : {}),
     ...(o.memoryBudgetMiB !== undefined || o.principalMemoryMiB !== undefined
       ? { admission: { ...(o.memoryBudgetMiB !== undefined ? { memoryBudgetMiB: o.memoryBudgetMiB } : {}), ...(o.principalMemoryMiB !== undefined ? { principalMemoryMiB: o.principalMemoryMiB } : {}) } }
       : {}),

@@ -55,6 +55,8 @@ export async function startBroker(
     slotDisk?: BrokerOptions['slotDisk'];
     /** The broker's logger (default: warnings and errors on stderr). */
     log?: Logger;
+    /** /mcp's allowed browser origins and extra Host names. */
+    mcpHttp?: BrokerOptions['mcpHttp'];
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
@@ -82,6 +84,7 @@ export async function startBroker(
     ...(o.sessionSizes ? { sessionSizes: o.sessionSizes } : {}),
     ...(o.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: o.maxSessionsPerPrincipal } : {}),
     ...(o.slotDisk ? { slotDisk: o.slotDisk } : {}),
+    ...(o.mcpHttp ? { mcpHttp: o.mcpHttp } : {}),
   });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;

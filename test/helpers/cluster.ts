@@ -91,7 +91,7 @@ export interface Cluster {
   tokensFile: string;
   credentialFile: string;
   startBroker(id: string, o?: { leaseMs?: number; templates?: string[]; dataDir?: string; backend?: 'unsafe-local' | 'qemu'; args?: string[] }): Promise<Broker>;
-  startGateway(o?: { sample?: number; maxConnections?: number }): Promise<GatewayProc>;
+  startGateway(o?: { sample?: number; maxConnections?: number; args?: string[] }): Promise<GatewayProc>;
   /** SIGKILLs redis-server (its data is not persisted) and starts an empty one on the same port. */
   restartRedis(): Promise<void>;
   stopAll(): Promise<void>;
@@ -154,7 +154,7 @@ export async function startCluster(work: string): Promise<Cluster> {
       const args = ['--import', 'tsx', cli, 'gateway', '--port', '0', '--tokens-file', tokensFile, '--catalog', redisUrl, '--gateway-token-file', credentialFile];
       if (o.sample) args.push('--sample', String(o.sample));
       if (o.maxConnections) args.push('--max-connections', String(o.maxConnections));
-      args.push('--ready-json', '--log-level', 'warn');
+      args.push(...(o.args ?? []), '--ready-json', '--log-level', 'warn');
       const p = start(process.execPath, args);
       procs.push(p);
       const ready = await firstJsonLine(p, 'gateway');

@@ -39,11 +39,11 @@ describe('principals and what a session belongs to', () => {
   });
 
   it("keeps each principal's sessions invisible to the others", async () => {
-    const sa = await alice.create({ id: 'alice-private', workspace: { files: { 'secret.txt': 'alice only\n' } } });
+    const sa = await alice.create({ workspace: { files: { 'secret.txt': 'alice only\n' } } });
     const missing = await bob.attach('no-such-session').catch((e: { code: string; message: string }) => e);
     const foreign = await bob.attach(sa.id).catch((e: { code: string; message: string }) => e);
     // Exactly the answer a missing session gets (with its own id).
-    expect(foreign).toMatchObject({ code: 'not_found', message: 'no session alice-private' });
+    expect(foreign).toMatchObject({ code: 'not_found', message: `no session ${sa.id}` });
     expect(missing).toMatchObject({ code: 'not_found', message: 'no session no-such-session' });
     expect((await bob.sessions()).map((s) => s.session)).not.toContain(sa.id);
     expect((await alice.sessions()).map((s) => s.session)).toContain(sa.id);
@@ -63,7 +63,7 @@ describe('principals and what a session belongs to', () => {
   });
 
   it('keeps the owner across a broker restart', async () => {
-    const sa = await alice.create({ id: 'alice-durable' });
+    const sa = await alice.create();
     const meta = JSON.parse(readFileSync(join(b.dataDir, 'sessions', sa.id, 'session.json'), 'utf8')) as { owner: string };
     expect(meta.owner).toBe('alice');
     // A second broker on the same data dir adopts it for alice only.

@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { WireErrorSchema } from '../../../guest-agent/src/protocol/errors.ts';
+import { HutchError, WireErrorSchema } from '../../../guest-agent/src/protocol/errors.ts';
 import { SignalSchema } from '../../../guest-agent/src/protocol/methods.ts';
 import { TelemetrySampleSchema } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 
@@ -48,7 +48,7 @@ export const CreateParams = z.object({
   cpus: z.number().int().min(1).max(64).optional(),
   memoryMiB: z.number().int().min(64).max(1024 * 1024).optional(),
   workspace: WorkspaceSourceSchema.optional(),
-  /** A stable id chosen by the harness; generated when absent. */
+  /** The session's id, given only by a gateway (with its credential) for the broker it placed the session on; a tenant's create gets a random one. */
   id: sessionId.optional(),
   /** The template the session's VM boots (hutch template ls); absent: the default template. */
   template: z.string().min(1).max(63).optional(),
@@ -70,6 +70,12 @@ export const CallParams = z.object({
 export const SignalParams = z.object({ call: z.number().int().nonnegative(), signal: SignalSchema });
 export const HintParams = z.object({ session: sessionId, hint: z.enum(['tool_call_pending', 'compacting', 'idle']) });
 export const SessionsParams = z.object({});
+/**
+ * A session's telemetry is sampled within this (generous: an emulated guest under load
+ * answers slowly), so a subscription sends an event at least every
+ * interval plus this (a gateway gives a broker's subscription up when it sends none for longer).
+ */
+export const TELEMETRY_SAMPLE_TIMEOUT_MS = 5000;
 /** A live telemetry subscription: one `evt` frame per interval until cancelled (signal op) or `count` samples. */
 export const TelemetryParams = z.object({
   /** One session; all sessions when absent. */
@@ -135,6 +141,16 @@ export const OPS = {
 } as const;
 export type OpName = keyof typeof OPS;
 
+/** An op's params checked against its schema: `bad_request` naming the first field that fails. */
+export function opParams<O extends OpName>(op: O, raw: unknown): z.infer<(typeof OPS)[O]> {
+  const parsed = OPS[op].safeParse(raw);
+  if (!parsed.success) {
+    const i = parsed.error.issues[0];
+    throw new HutchError('bad_request', `invalid ${op} params: ${i?.path.join('.') || '(params)'}: ${i?.message}`, { op });
+  }
+  return parsed.data as z.infer<(typeof OPS)[O]>;
+}
+
 export const ClientMessageSchema = z.object({
   t: z.literal('req'),
   id: z.number().int().nonnegative(),
@@ -157,6 +173,20 @@ export const SessionInfoSchema = z.object({
   calls: z.number(),
 });
 export type SessionInfo = z.infer<typeof SessionInfoSchema>;
+
+/**
+ * A gateway asks every live broker for `sessions` and `telemetry` without a session, and
+ * passes a `signal` on to each broker a call went to. Each broker gets a deadline; the answer
+ * then holds what the others gave, and `unavailable` names the brokers it lacks (no answer
+ * in time, unreachable, or an error). A single broker never sets it.
+ */
+const unavailableBrokers = z.array(z.string()).optional();
+export const SessionsResultSchema = z.object({ sessions: z.array(SessionInfoSchema), unavailable: unavailableBrokers });
+export type SessionsResult = z.infer<typeof SessionsResultSchema>;
+export const TelemetryResultSchema = z.object({ samples: z.number(), cancelled: z.boolean(), unavailable: unavailableBrokers });
+export type TelemetryResult = z.infer<typeof TelemetryResultSchema>;
+export const SignalResultSchema = z.object({ delivered: z.boolean(), unavailable: unavailableBrokers });
+export type SignalResult = z.infer<typeof SignalResultSchema>;
 
 export const RouteSchema = z.enum(['inprocess', 'fastpath', 'vm']);
 export type Route = z.infer<typeof RouteSchema>;

@@ -65,12 +65,17 @@ export class Principals {
    * header) counts only with the gateway credential: a tenant's own token always stays its own.
    */
   authenticate(given: string | undefined, onBehalfOf?: string): string | undefined {
+    return this.identify(given, onBehalfOf)?.principal;
+  }
+
+  /** As authenticate, and whether the caller is a gateway acting for the principal (it alone may name a new session's id). */
+  identify(given: string | undefined, onBehalfOf?: string): { principal: string; viaGateway: boolean } | undefined {
     if (given === undefined) return undefined;
     const d = sha256(given);
     let found: string | undefined;
     for (const e of this.entries) if (timingSafeEqual(d, e.digest) && found === undefined) found = e.name;
-    if (found === undefined && onBehalfOf !== undefined && NAME.test(onBehalfOf) && this.gateway?.matches(given)) return onBehalfOf;
-    return found;
+    if (found === undefined && onBehalfOf !== undefined && NAME.test(onBehalfOf) && this.gateway?.matches(given)) return { principal: onBehalfOf, viaGateway: true };
+    return found === undefined ? undefined : { principal: found, viaGateway: false };
   }
 
   get names(): string[] {

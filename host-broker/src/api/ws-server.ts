@@ -10,7 +10,7 @@ import { WebSocketServer, type WebSocket, type RawData } from 'ws';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import { checkMsgpackShape, parseJsonBounded } from '../../../guest-agent/src/protocol/value-shape.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { ClientMessageSchema, HARNESS_API_VERSION, OPS, type OpName } from './harness-protocol.ts';
+import { ClientMessageSchema, HARNESS_API_VERSION, OPS, type OpName, type SignalResult } from './harness-protocol.ts';
 import type { Principals } from './principals.ts';
 import { claimedPrincipal } from '../gateway/credential.ts';
 
@@ -21,14 +21,16 @@ export interface OpContext {
   id: number;
   /** Who is asking: the principal whose token opened this connection. */
   principal: string;
+  /** The connection is a gateway's, acting for `principal` with the gateway credential. */
+  viaGateway: boolean;
   /** Aborted when the client disconnects or signals the call. */
   signal: AbortSignal;
   /** Sends streamed output of this call to the client, with backpressure. */
   out(fd: 1 | 2, chunk: Uint8Array): Promise<void>;
   /** Pushes an event belonging to this request (a subscription's samples). */
   event(data: unknown): void;
-  /** A call that runs a command registers how to send it a signal; the `signal` op then delivers the one asked. */
-  onSignal(send: (sig: SignalName) => Promise<boolean>): void;
+  /** A call that runs a command registers how to send it a signal; the `signal` op then delivers the one asked (a gateway's answer names brokers it lacks). */
+  onSignal(send: (sig: SignalName) => Promise<boolean | SignalResult>): void;
   /** The request came in a binary (msgpack) frame: bytes travel as bytes (JSON frames need base64). */
   binary: boolean;
   /** The connection: an id for state that outlives one request (a streamed upload), aborted when it closes. */
@@ -150,7 +152,7 @@ export class WsServer {
   /** Sockets without an authenticated WebSocket yet, oldest first, with their deadline timers. */
   private readonly pending = new Map<Socket, NodeJS.Timeout>();
   private readonly perPrincipal = new Map<string, number>();
-  private readonly principalOf = new WeakMap<IncomingMessage, string>();
+  private readonly principalOf = new WeakMap<IncomingMessage, { principal: string; viaGateway: boolean }>();
   private connectionSeq = 0;
   /** Bytes each principal's messages hold (arriving, and received but not answered). */
   readonly receive: ReceiveBudget;
@@ -170,18 +172,19 @@ export class WsServer {
       server: this.http,
       maxPayload: this.limits.maxPayloadBytes,
       verifyClient: (info, cb) => {
-        const principal = opts.principals.authenticate(bearer(info.req), claimedPrincipal(info.req));
-        if (principal === undefined) {
+        const who = opts.principals.identify(upgradeBearer(info.req), claimedPrincipal(info.req));
+        if (who === undefined) {
           opts.log.warn('ws.unauthorized', { remote: info.req.socket.remoteAddress });
           cb(false, 401, 'Unauthorized: missing or wrong token');
           return;
         }
+        const { principal } = who;
         if ((this.perPrincipal.get(principal) ?? 0) >= this.limits.maxConnectionsPerPrincipal) {
           opts.log.warn('ws.too_many_connections', { principal, limit: this.limits.maxConnectionsPerPrincipal });
           cb(false, 429, `Too many connections: principal ${principal} already holds ${this.limits.maxConnectionsPerPrincipal}`);
           return;
         }
-        this.principalOf.set(info.req, principal);
+        this.principalOf.set(info.req, who);
         cb(true);
       },
     });
@@ -281,12 +284,12 @@ export class WsServer {
   }
 
   private onConnection(ws: WebSocket, req: IncomingMessage): void {
-    const principal = this.principalOf.get(req) as string;
+    const { principal, viaGateway } = this.principalOf.get(req) as { principal: string; viaGateway: boolean };
     this.forget(req.socket);
     this.perPrincipal.set(principal, (this.perPrincipal.get(principal) ?? 0) + 1);
     const log = this.opts.log.child({ remote: `${req.socket.remoteAddress}:${req.socket.remotePort}`, principal });
     const inflight = new Map<number, AbortController>();
-    const signallers = new Map<number, (sig: SignalName) => Promise<boolean>>();
+    const signallers = new Map<number, (sig: SignalName) => Promise<boolean | SignalResult>>();
     const maxInflight = this.limits.maxInflightPerConnection;
     const connection = { id: ++this.connectionSeq, ac: new AbortController() };
     log.info('ws.connected');
@@ -394,6 +397,7 @@ export class WsServer {
       const ctx: OpContext = {
         id,
         principal,
+        viaGateway,
         signal: ac.signal,
         out: async (fd, chunk) => {
           if (ws.readyState !== ws.OPEN) return;
@@ -465,24 +469,34 @@ export class WsServer {
     ws.on('error', (err) => log.warn('ws.error', { error: err.message }));
   }
 
-  private async signal(p: unknown, find: (id: number) => { ac: AbortController; deliver: ((sig: SignalName) => Promise<boolean>) | undefined } | undefined): Promise<{ delivered: boolean }> {
+  private async signal(p: unknown, find: (id: number) => { ac: AbortController; deliver: ((sig: SignalName) => Promise<boolean | SignalResult>) | undefined } | undefined): Promise<SignalResult> {
     const parsed = OPS.signal.safeParse(p);
     if (!parsed.success) throw new HutchError('bad_request', `invalid signal params: ${parsed.error.issues[0]?.message}`);
     const call = find(parsed.data.call);
     if (!call) throw new HutchError('not_found', `no call ${parsed.data.call} in flight on this connection`, { call: parsed.data.call });
     // A running command gets the signal asked (a trap may handle SIGINT and go on); SIGKILL,
     // or a call whose command is not running yet, cancels the call (its group is killed).
-    if (call.deliver && parsed.data.signal !== 'SIGKILL') return { delivered: await call.deliver(parsed.data.signal) };
+    if (call.deliver && parsed.data.signal !== 'SIGKILL') {
+      const r = await call.deliver(parsed.data.signal);
+      return typeof r === 'boolean' ? { delivered: r } : r;
+    }
     call.ac.abort(new HutchError('cancelled', `call cancelled by ${parsed.data.signal}`));
     return { delivered: true };
   }
 }
 
-/** The bearer token of a request: the Authorization header, else a `token` query parameter (browsers cannot set headers on WebSockets). */
+/**
+ * The bearer token of a plain HTTP request (/mcp, /metrics, /load): the Authorization header
+ * only. A token in the query string lands in proxies' access logs and shells' histories.
+ */
 export function bearer(req: IncomingMessage): string | undefined {
   const header = req.headers['authorization'];
-  if (typeof header === 'string' && header.startsWith('Bearer ')) return header.slice(7);
-  return new URL(req.url ?? '/', 'http://x').searchParams.get('token') ?? undefined;
+  return typeof header === 'string' && header.startsWith('Bearer ') ? header.slice(7) : undefined;
+}
+
+/** The bearer token of a WebSocket upgrade: the Authorization header, else a `token` query parameter (browsers cannot set headers on WebSockets). */
+function upgradeBearer(req: IncomingMessage): string | undefined {
+  return bearer(req) ?? new URL(req.url ?? '/', 'http://x').searchParams.get('token') ?? undefined;
 }
 
 /** JSON cannot carry bytes: text frames get them as UTF-8 strings. */

@@ -5,7 +5,10 @@
  * Keys (prefix `hutch:` by default):
  *   <p>broker:<id>    JSON BrokerRecord, with a TTL (the lease); the broker renews it
  *   <p>brokers        SET of broker ids ever registered (expired ones are pruned lazily)
- *   <p>session:<sid>  JSON SessionEntry {broker, principal}; no TTL (a session outlives restarts)
+ *   <p>session:<principal>:<sid>
+ *                     JSON SessionEntry {broker, principal}; no TTL (a session outlives restarts).
+ *                     Keyed by principal: one principal's session id is never looked up, claimed
+ *                     or re-published as another's (principal names and ids hold no ':').
  *
  * Why Redis and not etcd: the catalog needs a key TTL (a lease), SET NX for first-writer-wins
  * placement and one compare-and-delete; Redis has all three as single commands (or a three-line
@@ -70,8 +73,8 @@ export class Catalog {
     return `${this.prefix}broker:${id}`;
   }
 
-  private sessionKey(sid: string): string {
-    return `${this.prefix}session:${sid}`;
+  private sessionKey(principal: string, sid: string): string {
+    return `${this.prefix}session:${principal}:${sid}`;
   }
 
   /**
@@ -114,18 +117,20 @@ export class Catalog {
   }
 
   /**
-   * Claims a session id for a broker: SET NX, so of two gateways placing the same id at the
-   * same moment exactly one wins. False when the id is taken.
+   * Claims a session id of the entry's principal for a broker: SET NX, so of two placing the
+   * same id at the same moment exactly one wins. False when the id is taken.
    */
   async claimSession(sid: string, entry: SessionEntry): Promise<boolean> {
-    return (await this.redis.command('SET', this.sessionKey(sid), JSON.stringify(entry), 'NX')) === 'OK';
+    return (await this.redis.command('SET', this.sessionKey(entry.principal, sid), JSON.stringify(entry), 'NX')) === 'OK';
   }
 
-  async session(sid: string): Promise<SessionEntry | undefined> {
-    const v = await this.redis.command('GET', this.sessionKey(sid));
+  /** A principal's session: another principal's with the same id is not looked at. */
+  async session(principal: string, sid: string): Promise<SessionEntry | undefined> {
+    const v = await this.redis.command('GET', this.sessionKey(principal, sid));
     if (typeof v !== 'string') return undefined;
     try {
-      return JSON.parse(v) as SessionEntry;
+      const entry = JSON.parse(v) as SessionEntry;
+      return entry.principal === principal ? entry : undefined;
     } catch {
       return undefined;
     }
@@ -133,7 +138,7 @@ export class Catalog {
 
   /** Forgets a session, but only the placement we made (compare-and-delete). */
   async releaseSession(sid: string, entry: SessionEntry): Promise<boolean> {
-    return (await this.redis.command('EVAL', COMPARE_AND_DELETE, 1, this.sessionKey(sid), JSON.stringify(entry))) === 1;
+    return (await this.redis.command('EVAL', COMPARE_AND_DELETE, 1, this.sessionKey(entry.principal, sid), JSON.stringify(entry))) === 1;
   }
 }
 

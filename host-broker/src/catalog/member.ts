@@ -87,15 +87,18 @@ export class ClusterMember {
 
   /**
    * Registers once listening, then renews every third of the lease. A failed renewal is retried
-   * next tick (the lease covers two misses). Whenever the record was missing, the broker's
-   * sessions are put back in the map (SET NX: a placement made meanwhile wins), so a catalog
-   * that lost its data is rebuilt by the brokers, and a restarted broker's sessions are found.
+   * next tick (the lease covers two misses). At the start and whenever the record was missing,
+   * the broker's sessions are put back in the map (SET NX: a placement made meanwhile wins), so
+   * a catalog that lost its data is rebuilt by the brokers, and a restarted broker's sessions
+   * are found. Each under its owner's key: a broker holding an id another principal also
+   * holds elsewhere puts back its own principal's entry, never the other's.
    */
   async register(port: number, host?: string): Promise<void> {
     // A broker bound to one address is reached there; one bound to all addresses by its host name.
     const at = host && host !== '0.0.0.0' && host !== '::' ? (host.includes(':') ? `[${host}]` : host) : hostname();
     this.record = { id: this.id, url: this.o.advertiseUrl ?? `ws://${at}:${port}`, templates: this.o.templates ?? [], startedAt: new Date().toISOString() };
-    if (await this.catalog.putBroker(this.record, this.leaseMs)) await this.publishSessions();
+    await this.catalog.putBroker(this.record, this.leaseMs);
+    await this.publishSessions();
     this.log.info('cluster.registered', { broker: this.id, url: this.record.url, leaseMs: this.leaseMs });
     this.timer = setInterval(() => {
       if (this.renewing || !this.record) return;

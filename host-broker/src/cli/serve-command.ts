@@ -2,6 +2,7 @@
  * `hutch serve`: every option is checked here, before anything slow (the guest image, the
  * fast path, the port); the broker itself (serve.ts) is loaded only then.
  */
+import { MCP_HTTP_OPTIONS, mcpHttpFrom } from '../mcp/http-origin.ts';
 import { closeSync, fstatSync, writeSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
 import { callerPath, Command, int, logLevel, oneOf, port, UsageError, writableDir } from '../../../guest-agent/src/cli-options.ts';
@@ -68,6 +69,7 @@ export const SERVE = new Command({
     'slot-disk-gib': { arg: 'N', help: "disk the snapshot slots may take, GiB (default: half the data dir's filesystem)", parse: int(1), group: 'limits and metrics' },
     'principal-slot-disk-gib': { arg: 'N', help: "of that, one principal's share (default: all with one principal, half with several)", parse: int(1), group: 'limits and metrics' },
     ...CLUSTER_OPTIONS,
+    ...MCP_HTTP_OPTIONS,
   },
   footer: 'Tokens: --token-file F or env HUTCH_TOKEN keep the token off the command line; with none, one is\ngenerated and printed. Logs are JSON lines on stderr.',
 });
@@ -147,6 +149,7 @@ export async function serveMain(args: string[]): Promise<void> {
     policy,
     quota: { bytes: v['quota-bytes'] ?? DEFAULT_QUOTA.bytes, files: v['quota-files'] ?? DEFAULT_QUOTA.files },
     ...cluster,
+    ...mcpHttpFrom(v),
     log,
   });
   // A file's principals are never printed; a generated token must be, or nobody could connect.

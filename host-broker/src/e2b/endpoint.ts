@@ -15,6 +15,7 @@
  * a broker restart the sessions remain but are no longer E2B sandboxes.
  */
 import { randomBytes, timingSafeEqual } from 'node:crypto';
+import { newAccessToken } from './access-token.ts';
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import { constants, type Stats } from 'node:fs';
 import type { FileHandle } from 'node:fs/promises';
@@ -344,7 +345,7 @@ export class E2bEndpoint {
       throw err;
     });
     const now = new Date();
-    const sb: Sandbox = { id: s.id, principal, templateID, metadata, envVars, accessToken: randomBytes(24).toString('hex'), startedAt: now, endAt: now, state: 'running', timer: undefined, procs: new Map(), watchers: new Map(), watches: 0 };
+    const sb: Sandbox = { id: s.id, principal, templateID, metadata, envVars, accessToken: newAccessToken(principal), startedAt: now, endAt: now, state: 'running', timer: undefined, procs: new Map(), watchers: new Map(), watches: 0 };
     this.sandboxes.set(sb.id, sb);
     this.arm(sb, timeout);
     this.o.log.info('e2b.sandbox_created', { sandbox: sb.id, principal, templateID });

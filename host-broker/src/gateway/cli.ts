@@ -2,6 +2,7 @@
  * `hutch gateway` and the options that make `hutch serve` a cluster member. Options are
  * checked before the gateway (or broker) is loaded; main() then imports it.
  */
+import { MCP_HTTP_OPTIONS, mcpHttpFrom } from '../mcp/http-origin.ts';
 import { Command, fileText, int, logLevel, port, UsageError, type OptionSpec } from '../../../guest-agent/src/cli-options.ts';
 import type { ClusterOptions } from '../catalog/member.ts';
 import { TOKEN_OPTIONS, tokensFrom } from '../cli/tokens.ts';
@@ -77,10 +78,12 @@ export const GATEWAY = new Command({
     'metrics-port': { arg: 'N', help: 'also serve /metrics without a token on this port', parse: port },
     'metrics-host': { arg: 'A', help: 'address for --metrics-port (default 127.0.0.1)', default: '127.0.0.1' },
     'drain-ms': { arg: 'N', help: 'on SIGTERM, /readyz answers 503 and calls in flight get this long (default 10000)', default: '10000', parse: int(1) },
+    'fan-out-ms': { arg: 'N', help: 'what each broker gets to answer a request asked of all (sessions, the E2B list, a signal\npassed on) before the answer goes without it, naming it in `unavailable` (default 5000)', parse: int(1) },
     'max-connections': { arg: 'N', help: 'open WebSockets per principal (default 32)', parse: int(1) },
     'max-frame-mib': { arg: 'N', help: 'largest WebSocket message, MiB (default 64)', parse: int(1, 1024) },
     'log-level': { arg: 'L', help: 'debug | info | warn | error (default info)', env: 'HUTCH_LOG_LEVEL', parse: logLevel },
     'ready-json': { help: 'print one JSON line {"url","port",...} on stdout when listening' },
+    ...MCP_HTTP_OPTIONS,
   },
 });
 
@@ -105,6 +108,8 @@ export async function gatewayMain(args: string[]): Promise<void> {
     credential,
     log,
     ...(v.sample !== undefined ? { sampleK: v.sample } : {}),
+    ...(v['fan-out-ms'] !== undefined ? { fanOutMs: v['fan-out-ms'] } : {}),
+    ...mcpHttpFrom(v),
     ...(v['metrics-port'] !== undefined ? { metricsListen: { host: v['metrics-host'], port: v['metrics-port'] } } : {}),
     limits: {
       ...(v['max-frame-mib'] !== undefined ? { maxPayloadBytes: v['max-frame-mib'] * 1024 * 1024 } : {}),

@@ -21,12 +21,13 @@ import type { Principals } from '../api/principals.ts';
 import { AttachParams } from '../api/harness-protocol.ts';
 import { sessionIdOf, type BrokerRecord, type SessionEntry } from '../catalog/catalog.ts';
 import { httpUrlOf } from './placement.ts';
+import { principalOfAccessToken } from '../e2b/access-token.ts';
 
 export interface E2bProxyDeps {
   principals: Principals;
   log: Logger;
-  /** The placement of a session (undefined: none). */
-  session(id: string): Promise<SessionEntry | undefined>;
+  /** The placement of a principal's session (undefined: none). */
+  session(principal: string, id: string): Promise<SessionEntry | undefined>;
   /** Its broker if registered, else throws `unavailable` naming it. */
   brokerFor(entry: SessionEntry, session: string): Promise<BrokerRecord>;
   /** A broker for a new session. */
@@ -34,6 +35,8 @@ export interface E2bProxyDeps {
   claim(session: string, entry: SessionEntry): Promise<boolean>;
   release(session: string, entry: SessionEntry): Promise<void>;
   liveBrokers(): Promise<BrokerRecord[]>;
+  /** What each broker gets to answer the list, asked of every one, before the list goes without it. */
+  fanOutMs: number;
 }
 
 const agent = new Agent({ keepAlive: true, maxSockets: 64 });
@@ -65,7 +68,10 @@ export class E2bProxy {
     const notFound = () => res.writeHead(502, { 'content-type': 'application/json' }).end(JSON.stringify({ code: 502, message: 'sandbox not found or not running' }));
     const raw = req.headers['e2b-sandbox-id'];
     const id = typeof raw === 'string' && AttachParams.shape.session.safeParse(raw).success ? raw : undefined;
-    const entry = id === undefined ? undefined : await this.d.session(id);
+    // The access token says whose sandbox it claims to be (the catalog is keyed by principal);
+    // a false claim routes to a broker that then refuses the token.
+    const principal = principalOfAccessToken(req.headers['x-access-token']);
+    const entry = id === undefined || principal === undefined ? undefined : await this.d.session(principal, id);
     const rec = entry && id ? await this.d.brokerFor(entry, id).catch(() => undefined) : undefined;
     if (!rec) return void notFound();
     // The broker checks the access token; once it accepted the request, a long stream is no stray socket.
@@ -95,9 +101,9 @@ export class E2bProxy {
       return;
     }
     const id = sessionIdOf(decodeURIComponent(hit[1] as string));
-    const entry = await this.d.session(id);
+    const entry = await this.d.session(principal, id);
     // Another principal's sandbox answers exactly like a missing one.
-    if (!entry || entry.principal !== principal) throw new HutchError('not_found', `no sandbox ${id}`);
+    if (!entry) throw new HutchError('not_found', `no sandbox ${id}`);
     const rec = await this.d.brokerFor(entry, id);
     if (m === 'DELETE' && hit[2] === undefined) {
       // A kill: the placement is forgotten before the client hears it is done.
@@ -122,15 +128,23 @@ export class E2bProxy {
     res.writeHead(status, headers).end(body);
   }
 
-  /** Every live broker's list (each broker's first page; the gateway does not page across brokers). */
+  /**
+   * Every live broker's list (each broker's first page; the gateway does not page across
+   * brokers), each within the fan-out deadline; brokers missing from it are named in the
+   * `x-hutch-unavailable` header (E2B's answer is a bare array).
+   */
   private async list(req: IncomingMessage, res: ServerResponse, url: URL): Promise<void> {
     const brokers = await this.d.liveBrokers();
-    const answers = await Promise.all(brokers.map((b) => this.exchange(req, b).catch(() => undefined)));
+    const answers = await Promise.all(brokers.map((b) => this.exchange(req, b, undefined, this.d.fanOutMs).catch(() => undefined)));
     const items: unknown[] = [];
-    for (const a of answers) if (a && a.status === 200) items.push(...(JSON.parse(a.body.toString('utf8')) as unknown[]));
+    const missing: string[] = [];
+    answers.forEach((a, i) => {
+      if (a && a.status === 200) items.push(...(JSON.parse(a.body.toString('utf8')) as unknown[]));
+      else missing.push((brokers[i] as BrokerRecord).id);
+    });
     const limit = Number(url.searchParams.get('limit') ?? 0);
     const out = limit > 0 ? items.slice(0, limit) : items;
-    res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify(out));
+    res.writeHead(200, { 'content-type': 'application/json', ...(missing.length ? { 'x-hutch-unavailable': missing.join(',') } : {}) }).end(JSON.stringify(out));
   }
 
   /** Streams one request to a broker and its answer back; resolves with the status. */
@@ -151,9 +165,10 @@ export class E2bProxy {
     });
   }
 
-  /** One request answered whole (small JSON answers), its body from `body` if given. */
-  private exchange(req: IncomingMessage, rec: BrokerRecord, body?: IncomingMessage): Promise<{ status: number; headers: Record<string, string | string[] | undefined>; body: Buffer }> {
+  /** One request answered whole (small JSON answers), its body from `body` if given; within `deadlineMs` if given. */
+  private exchange(req: IncomingMessage, rec: BrokerRecord, body?: IncomingMessage, deadlineMs?: number): Promise<{ status: number; headers: Record<string, string | string[] | undefined>; body: Buffer }> {
     return new Promise((resolve, reject) => {
+      const timer = deadlineMs === undefined ? undefined : setTimeout(() => up.destroy(new Error(`no answer within ${deadlineMs} ms`)), deadlineMs);
       const up = request(`${httpUrlOf(rec.url)}${req.url ?? '/'}`, { method: req.method ?? 'GET', headers: forwardHeaders(req), agent }, (ur) => {
         const chunks: Buffer[] = [];
         let size = 0;
@@ -163,6 +178,7 @@ export class E2bProxy {
           else chunks.push(c);
         });
         ur.once('end', () => {
+          clearTimeout(timer);
           const headers = { ...ur.headers };
           delete headers['content-length'];
           delete headers['transfer-encoding'];
@@ -170,7 +186,10 @@ export class E2bProxy {
         });
         ur.once('error', reject);
       });
-      up.once('error', (err) => reject(unreachable(rec, err)));
+      up.once('error', (err) => {
+        clearTimeout(timer);
+        reject(unreachable(rec, err));
+      });
       if (body) body.pipe(up);
       else up.end();
     });

@@ -16,23 +16,26 @@
  * - a broker drains: it deregisters at once and answers new work with `unavailable`
  *   (reason `draining`); when it starts again with the same id its sessions answer again.
  */
-import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { IncomingMessage, Server, ServerResponse } from 'node:http';
 import { Counter, Gauge, Registry } from 'prom-client';
 import { HutchError, toHutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import { CreateParams, HARNESS_API_VERSION, type OpName } from '../api/harness-protocol.ts';
+import { HARNESS_API_VERSION, opParams, TELEMETRY_SAMPLE_TIMEOUT_MS, type OpName, type SessionsResult, type SignalResult, type TelemetryResult } from '../api/harness-protocol.ts';
+import type { SignalSchema } from '../../../guest-agent/src/protocol/methods.ts';
+import type { z } from 'zod';
 import type { Principals } from '../api/principals.ts';
 import { WsServer, bearer, DEFAULT_WS_LIMITS, type OpContext, type WsLimits } from '../api/ws-server.ts';
 import { loopbackUrl, McpHttpEndpoint } from '../mcp/http.ts';
+import { ownHostNames, type McpHttpAllowed } from '../mcp/http-origin.ts';
 import { E2bEndpoint } from '../e2b/endpoint.ts';
 import { listenMetrics } from '../metrics.ts';
 import { Catalog, sessionIdOf, type BrokerRecord, type SessionEntry } from '../catalog/catalog.ts';
 import { GatewayCredential } from './credential.ts';
 import { E2bProxy } from './e2b-proxy.ts';
 import { place } from './placement.ts';
-import { Upstream } from './upstream.ts';
+import { Upstream, type Deadline } from './upstream.ts';
+import { newSessionId } from '../sessions/session-manager.ts';
 
 export interface GatewayOptions {
   port: number;
@@ -53,6 +56,14 @@ export interface GatewayOptions {
   brokerCacheMs?: number;
   /** Deadline for reaching a broker (connect, hello, /load). */
   brokerTimeoutMs?: number;
+  /**
+   * What each broker gets to answer a request asked of every one (`sessions`, E2B's list, a
+   * signal passed on) before the answer goes without it, naming it (default 5000 ms); a
+   * telemetry subscription gets this past its interval and the sampling bound between events.
+   */
+  fanOutMs?: number;
+  /** /mcp's browser origins (none by default) and Host names beyond the gateway's own (mcp/http-origin.ts). */
+  mcpHttp?: McpHttpAllowed;
 }
 
 const VERSION = (JSON.parse(readFileSync(new URL('../../../package.json', import.meta.url), 'utf8')) as { version: string }).version;
@@ -63,6 +74,8 @@ const ENTRY_CACHE_MAX = 100_000;
 
 /** An upstream idle this long (no request in flight) is closed. */
 const UPSTREAM_IDLE_MS = 60_000;
+
+const DEFAULT_FAN_OUT_MS = 5000;
 
 export class Gateway {
   private server: WsServer | undefined;
@@ -76,7 +89,7 @@ export class Gateway {
    */
   private readonly upstreams = new Map<string, Promise<Upstream>>();
   private brokers: { at: number; list: BrokerRecord[] } | undefined;
-  /** Session placements read from the catalog (bounded, short-lived; see placement()). */
+  /** Session placements read from the catalog, by principal and session (bounded, short-lived; see placement()). */
   private readonly entries = new Map<string, SessionEntry & { at: number }>();
   private readonly sweeper: NodeJS.Timeout;
   readonly registry = new Registry();
@@ -93,19 +106,24 @@ export class Gateway {
     if (o.principals.authenticate(o.credential) !== undefined) throw new HutchError('bad_request', 'the gateway credential equals a tenant token; give it its own secret');
     this.catalog = new Catalog(o.catalogUrl, o.catalogPrefix);
     // MCP over HTTP on the gateway reaches the gateway's own WebSocket API, so its tool calls are routed like any harness's.
-    this.mcp = new McpHttpEndpoint({ brokerUrl: () => loopbackUrl(o.host, this.port), log: o.log });
+    this.mcp = new McpHttpEndpoint({
+      brokerUrl: () => loopbackUrl(o.host, this.port),
+      log: o.log,
+      origins: { allowedOrigins: o.mcpHttp?.allowedOrigins ?? [], allowedHosts: ownHostNames({ listenHost: o.host, extra: o.mcpHttp?.allowedHosts }) },
+    });
     this.e2b = new E2bProxy({
       principals: o.principals,
       log: o.log,
-      session: (id) => this.catalog.session(id),
+      session: (principal, id) => this.catalog.session(principal, id),
       brokerFor: (entry, id) => this.brokerFor(entry, id),
       place: async () => (await place(await this.liveBrokers(true), { memoryMiB: 512, k: o.sampleK ?? 2, credential: o.credential, timeoutMs: this.timeoutMs })).broker,
       claim: (id, entry) => this.catalog.claimSession(id, entry),
       release: async (id, entry) => {
-        this.entries.delete(id);
+        this.entries.delete(entryKey(entry.principal, id));
         await this.catalog.releaseSession(id, { broker: entry.broker, principal: entry.principal });
       },
       liveBrokers: () => this.liveBrokers(true),
+      fanOutMs: this.fanOutMs,
     });
     this.sweeper = setInterval(() => this.sweep(), 10_000);
     this.sweeper.unref();
@@ -113,6 +131,10 @@ export class Gateway {
 
   private get timeoutMs(): number {
     return this.o.brokerTimeoutMs ?? 3000;
+  }
+
+  private get fanOutMs(): number {
+    return this.o.fanOutMs ?? DEFAULT_FAN_OUT_MS;
   }
 
   async start(): Promise<number> {
@@ -193,7 +215,7 @@ export class Gateway {
       let r: unknown;
       if (op === 'create') r = await this.create(p, ctx);
       else if (p['session'] !== undefined) r = await this.forwardToSession(sessionIdOf(p['session']), op, raw, ctx);
-      else if (op === 'sessions') r = await this.listSessions(ctx);
+      else if (op === 'sessions') r = await this.listSessions(raw, ctx);
       else if (op === 'telemetry') r = await this.telemetryAll(raw, ctx);
       else throw new HutchError('bad_request', `op ${op} without a session cannot be routed by the gateway (give a session, or use a broker directly)`, { op });
       this.requests.inc({ op, outcome: 'ok' });
@@ -299,22 +321,37 @@ export class Gateway {
   /**
    * Sends one request to several brokers (one, usually) as a single call of the client's: output
    * and events are relayed as they come, a signal goes to every part, and each part's answer
-   * (or error) is returned in order.
+   * (or error) is returned in order. With a deadline (a fan-out), a part past it is failed
+   * `unavailable` (reason `timeout`) and cancelled at its broker. Signals passed on always
+   * have one: a stopped broker cannot hold the client's `signal` answer.
    */
-  private async forwardAll(ups: Upstream[], op: string, raw: unknown, ctx: OpContext): Promise<Array<{ r?: unknown; e?: unknown }>> {
-    const parts = ups.map((u) => ({ u, ...u.request(op, raw, { out: (fd, d) => ctx.out(fd, d), event: (d) => ctx.event(d) }) }));
+  private async forwardAll(ups: Upstream[], op: string, raw: unknown, ctx: OpContext, deadline?: Deadline): Promise<Array<{ r?: unknown; e?: unknown }>> {
+    const parts = ups.map((u) => ({ u, ...u.request(op, raw, { out: (fd, d) => ctx.out(fd, d), event: (d) => ctx.event(d) }, deadline) }));
+    const signal = (u: Upstream, id: number, sig: SignalName) => u.request('signal', { call: id, signal: sig }, {}, { ms: this.fanOutMs }).result;
     ctx.onSignal(async (sig) => {
-      const answers = await Promise.all(parts.map(({ u, id }) => u.request('signal', { call: id, signal: sig }).result.then((r) => (r as { delivered: boolean }).delivered, () => false)));
-      return answers.some(Boolean);
+      const answers = await Promise.all(parts.map(({ u, id }) => signal(u, id, sig).then((r) => ({ delivered: (r as SignalResult).delivered, missing: undefined }), () => ({ delivered: false, missing: u.broker }))));
+      const unavailable = answers.flatMap((a) => (a.missing ? [a.missing] : []));
+      return { delivered: answers.some((a) => a.delivered), ...(unavailable.length ? { unavailable } : {}) };
     });
     // SIGKILL, or the client going away, cancels the call on the broker; its answer still comes back through here.
     const cancel = () => {
-      for (const { u, id } of parts) void u.request('signal', { call: id, signal: 'SIGKILL' }).result.catch(() => undefined);
+      for (const { u, id } of parts) void signal(u, id, 'SIGKILL').catch(() => undefined);
     };
     if (ctx.signal.aborted) cancel();
     else ctx.signal.addEventListener('abort', cancel, { once: true });
     try {
-      return await Promise.all(parts.map(({ result }) => result.then((r) => ({ r }), (e: unknown) => ({ e }))));
+      return await Promise.all(
+        parts.map(({ u, id, result }) =>
+          result.then(
+            (r) => ({ r }),
+            (e: unknown) => {
+              // Given up on: the broker, if it comes back, stops what it was doing for us.
+              if (toHutchError(e).context?.['reason'] === 'timeout') void signal(u, id, 'SIGKILL').catch(() => undefined);
+              return { e };
+            },
+          ),
+        ),
+      );
     } finally {
       ctx.signal.removeEventListener('abort', cancel);
     }
@@ -323,33 +360,34 @@ export class Gateway {
   /**
    * A session's placement, from this gateway's cache when it has it (a catalog round trip
    * per call otherwise). A cached entry can only be stale after the session was closed
-   * elsewhere and its id reused; every answer that could come from that (a principal
-   * mismatch here, not_found from the broker) is checked against the catalog before it stands.
+   * elsewhere; an answer that could come from that (not_found from the broker) is checked
+   * against the catalog before it stands. Placements are the principal's own: another
+   * principal's session of the same id is not looked at, and answers like a missing one.
    */
   private async placement(session: string, principal: string, fresh: boolean): Promise<{ entry: SessionEntry; cached: boolean }> {
-    const hit = fresh ? undefined : this.entries.get(session);
-    if (hit && hit.principal === principal && Date.now() - hit.at < ENTRY_CACHE_MS) return { entry: hit, cached: true };
+    const key = entryKey(principal, session);
+    const hit = fresh ? undefined : this.entries.get(key);
+    if (hit && Date.now() - hit.at < ENTRY_CACHE_MS) return { entry: hit, cached: true };
     let entry: SessionEntry | undefined;
     try {
-      entry = await this.catalog.session(session);
+      entry = await this.catalog.session(principal, session);
     } catch (err) {
       // The catalog is unreachable: a placement seen before still routes (its broker still checks the owner).
-      const known = this.entries.get(session);
-      if (known && known.principal === principal) return { entry: known, cached: true };
+      const known = this.entries.get(key);
+      if (known) return { entry: known, cached: true };
       throw err;
     }
-    // Another principal's session answers exactly like a missing one, as on a broker.
-    if (!entry || entry.principal !== principal) {
-      this.entries.delete(session);
+    if (!entry) {
+      this.entries.delete(key);
       throw new HutchError('not_found', `no session ${session}`, { session });
     }
-    this.remember(session, entry);
+    this.remember(key, entry);
     return { entry, cached: false };
   }
 
-  private remember(session: string, entry: SessionEntry): void {
-    this.entries.delete(session);
-    this.entries.set(session, { ...entry, at: Date.now() });
+  private remember(key: string, entry: SessionEntry): void {
+    this.entries.delete(key);
+    this.entries.set(key, { ...entry, at: Date.now() });
     // Oldest first in insertion order: drop from the front past the bound.
     for (const k of this.entries.keys()) {
       if (this.entries.size <= ENTRY_CACHE_MAX) break;
@@ -364,7 +402,7 @@ export class Gateway {
     } catch (err) {
       // The broker does not have it: nothing ran there. A stale cache entry gets one retry from the catalog.
       if (cached && toHutchError(err).code === 'not_found' && toHutchError(err).context?.['session'] === session) {
-        this.entries.delete(session);
+        this.entries.delete(entryKey(ctx.principal, session));
         return this.forwardToSession(session, op, raw, ctx, true);
       }
       throw err;
@@ -379,15 +417,15 @@ export class Gateway {
     const r = await this.forward(u, op, raw, ctx);
     // The session is gone from its broker: forget the placement (only ours, compare-and-delete).
     if (op === 'close') {
-      this.entries.delete(session);
+      this.entries.delete(entryKey(entry.principal, session));
       await this.catalog.releaseSession(session, { broker: entry.broker, principal: entry.principal });
     }
     return r;
   }
 
   private async create(p: Record<string, unknown>, ctx: OpContext): Promise<unknown> {
-    const idCheck = CreateParams.shape.id.safeParse(p['id']);
-    if (!idCheck.success) throw new HutchError('bad_request', `invalid create params: id: ${idCheck.error.issues[0]?.message}`, { op: 'create' });
+    // The gateway names every id (random, so nobody can guess another principal's), as a broker does for a tenant.
+    if (p['id'] !== undefined) throw new HutchError('bad_request', 'a session id is chosen by the broker: create without id and keep the id it answers', { op: 'create' });
     const template = typeof p['template'] === 'string' ? p['template'] : undefined;
     const memoryMiB = typeof p['memoryMiB'] === 'number' ? p['memoryMiB'] : 512;
     const placed = await place(await this.liveBrokers(true), {
@@ -397,7 +435,7 @@ export class Gateway {
       credential: this.o.credential,
       timeoutMs: this.timeoutMs,
     });
-    const session = idCheck.data ?? `s-${randomBytes(6).toString('hex')}`;
+    const session = newSessionId();
     const entry: SessionEntry = { broker: placed.broker.id, principal: ctx.principal };
     // First writer wins: two gateways placing one id cannot both succeed.
     if (!(await this.catalog.claimSession(session, entry))) throw new HutchError('already_exists', `session ${session} already exists`, { session });
@@ -422,8 +460,11 @@ export class Gateway {
     }
   }
 
-  /** Asks every live broker; the answers of those that answered, and the ids of those that did not. */
-  private async fanOut(op: string, raw: unknown, ctx: OpContext): Promise<{ answers: unknown[]; unavailable: string[] }> {
+  /**
+   * Asks every live broker, each within `deadline` (connecting has its own); the answers of
+   * those that answered, and the ids of those that did not.
+   */
+  private async fanOut(op: string, raw: unknown, ctx: OpContext, deadline: Deadline): Promise<{ answers: unknown[]; unavailable: string[] }> {
     const brokers = await this.liveBrokers(true);
     const reached = await Promise.all(brokers.map((b) => this.upstream(ctx, b).then((u) => ({ b, u }), () => ({ b, u: undefined }))));
     const ups = reached.filter((x): x is { b: BrokerRecord; u: Upstream } => x.u !== undefined);
@@ -432,25 +473,36 @@ export class Gateway {
       op,
       raw,
       ctx,
+      deadline,
     );
     const unavailable = [...reached.filter((x) => !x.u).map((x) => x.b.id), ...ups.filter((_, i) => results[i]?.e !== undefined).map((x) => x.b.id)];
+    if (unavailable.length) this.o.log.warn('gateway.fan_out_partial', { op, unavailable, errors: results.flatMap((x) => (x.e === undefined ? [] : [toHutchError(x.e).message])) });
     return { answers: results.filter((x) => x.e === undefined).map((x) => x.r), unavailable };
   }
 
-  /** Every live broker's list of this principal's sessions; brokers that did not answer are named. */
-  private async listSessions(ctx: OpContext): Promise<{ sessions: unknown[]; unavailable?: string[] }> {
-    const { answers, unavailable } = await this.fanOut('sessions', {}, ctx);
-    return { sessions: answers.flatMap((a) => (a as { sessions?: unknown[] }).sessions ?? []), ...(unavailable.length ? { unavailable } : {}) };
+  /** Every live broker's list of this principal's sessions; brokers that did not answer in time are named. */
+  private async listSessions(raw: unknown, ctx: OpContext): Promise<SessionsResult> {
+    const { answers, unavailable } = await this.fanOut('sessions', opParams('sessions', raw ?? {}), ctx, { ms: this.fanOutMs });
+    return { sessions: answers.flatMap((a) => (a as SessionsResult).sessions), ...(unavailable.length ? { unavailable } : {}) };
   }
 
   /**
    * Telemetry of all the principal's sessions: a subscription on every live broker, each
    * broker's events relayed as they come (so one event per broker per interval, each with
-   * that broker's sessions); cancelling the call cancels them all.
+   * that broker's sessions); cancelling the call cancels them all. A broker that sends no
+   * event for an interval, the sampling bound and the fan-out deadline is given up and named.
    */
-  private async telemetryAll(raw: unknown, ctx: OpContext): Promise<{ samples: number; cancelled: boolean; unavailable?: string[] }> {
-    const { answers, unavailable } = await this.fanOut('telemetry', raw, ctx);
-    const rs = answers as Array<{ samples: number; cancelled: boolean }>;
+  private async telemetryAll(raw: unknown, ctx: OpContext): Promise<TelemetryResult> {
+    const p = opParams('telemetry', raw ?? {});
+    const { answers, unavailable } = await this.fanOut('telemetry', p, ctx, { ms: (p.intervalMs ?? 1000) + TELEMETRY_SAMPLE_TIMEOUT_MS + this.fanOutMs, whileFrames: true });
+    const rs = answers as TelemetryResult[];
     return { samples: rs.reduce((n, r) => n + r.samples, 0), cancelled: rs.some((r) => r.cancelled), ...(unavailable.length ? { unavailable } : {}) };
   }
+}
+
+type SignalName = z.infer<typeof SignalSchema>;
+
+/** The entry cache's key: placements are per principal, as in the catalog. */
+function entryKey(principal: string, session: string): string {
+  return `${principal}\n${session}`;
 }

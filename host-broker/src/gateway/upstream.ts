@@ -17,9 +17,22 @@ export interface UpstreamSinks {
   event?: (d: unknown) => void;
 }
 
+/**
+ * How long a request may go without an answer before it is given up (failed `unavailable`,
+ * reason `timeout`, its late answer dropped): `ms` from sending it, or, with `whileFrames`,
+ * from its last output or event frame (a subscription shows it is alive by its events).
+ */
+export interface Deadline {
+  ms: number;
+  whileFrames?: boolean;
+}
+
 interface Pending extends UpstreamSinks {
   resolve: (r: unknown) => void;
   reject: (e: HutchError) => void;
+  /** Armed when the request has a deadline; refreshed by its frames with `whileFrames`. */
+  timer?: NodeJS.Timeout;
+  whileFrames?: boolean;
 }
 
 export class Upstream {
@@ -49,7 +62,10 @@ export class Upstream {
       perMessageDeflate: false,
     });
     await new Promise<void>((resolve, reject) => {
+      // handshakeTimeout bounds the upgrade only: a broker that stops after it would hold the hello forever.
+      const timer = setTimeout(() => fail(`no hello within ${o.timeoutMs} ms`), o.timeoutMs);
       const fail = (why: string) => {
+        clearTimeout(timer);
         ws.terminate();
         reject(new HutchError('unavailable', `broker ${o.broker} unreachable: ${why}`, { broker: o.broker, reason: 'unreachable' }));
       };
@@ -60,6 +76,7 @@ export class Upstream {
           const m = ServerMessageSchema.parse(JSON.parse(String(data)));
           // The broker says whom it took us for: anything but the principal we named is a misconfigured trust.
           if (m.t !== 'hello' || m.principal !== o.principal) throw new Error(`hello for ${m.t === 'hello' ? m.principal : m.t}, not ${o.principal}`);
+          clearTimeout(timer);
           ws.removeAllListeners('error');
           resolve();
         } catch (err) {
@@ -79,16 +96,38 @@ export class Upstream {
     return this.pending.size;
   }
 
-  /** Sends one request; `id` names it for a later signal. */
-  request(op: string, p: unknown, sinks: UpstreamSinks = {}): { id: number; result: Promise<unknown> } {
+  /** Sends one request; `id` names it for a later signal. Without a deadline it waits as long as the broker takes. */
+  request(op: string, p: unknown, sinks: UpstreamSinks = {}, deadline?: Deadline): { id: number; result: Promise<unknown> } {
     const id = this.nextId++;
     if (this.closedError) return { id, result: Promise.reject(this.closedError) };
     const result = new Promise<unknown>((resolve, reject) => {
-      this.pending.set(id, { resolve, reject, ...sinks });
+      const pending: Pending = { resolve, reject, ...sinks };
+      if (deadline) {
+        const giveUp = () => this.settle(id, new HutchError('unavailable', `broker ${this.broker} did not answer ${op} within ${deadline.ms} ms`, { broker: this.broker, reason: 'timeout', op }));
+        pending.timer = setTimeout(giveUp, deadline.ms);
+        pending.whileFrames = deadline.whileFrames === true;
+      }
+      this.pending.set(id, pending);
       const frame = { t: 'req', id, op, p };
       this.ws.send(this.binary ? packr.pack(frame) : JSON.stringify(frame));
     });
     return { id, result };
+  }
+
+  /** Ends a request: its answer or error to its caller, its timer stopped; a later frame for it is dropped. */
+  private settle(id: number, outcome: { r: unknown } | HutchError): void {
+    const p = this.pending.get(id);
+    if (!p) return;
+    this.pending.delete(id);
+    clearTimeout(p.timer);
+    this.lastUsed = Date.now();
+    if (outcome instanceof HutchError) p.reject(outcome);
+    else p.resolve(outcome.r);
+  }
+
+  /** A frame of a request with a deadline that runs while it shows life. */
+  private alive(p: Pending): void {
+    if (p.whileFrames) p.timer?.refresh();
   }
 
   close(): void {
@@ -104,7 +143,9 @@ export class Upstream {
       return; // a broker bug; the request it belonged to times out with the client
     }
     if (m.t === 'out') {
-      const sent = this.pending.get(m.call)?.out?.(m.fd, typeof m.d === 'string' ? Buffer.from(m.d) : m.d);
+      const p = this.pending.get(m.call);
+      if (p) this.alive(p);
+      const sent = p?.out?.(m.fd, typeof m.d === 'string' ? Buffer.from(m.d) : m.d);
       // A client reading slowly: stop reading the broker until it catches up, so its output
       // waits in the broker's socket (which the broker bounds), not in the gateway's memory.
       if (sent instanceof Promise) {
@@ -117,22 +158,18 @@ export class Upstream {
       return;
     }
     if (m.t === 'evt') {
-      this.pending.get(m.call)?.event?.(m.d);
+      const p = this.pending.get(m.call);
+      if (p) this.alive(p);
+      p?.event?.(m.d);
       return;
     }
     if (m.t !== 'res') return;
-    const p = this.pending.get(m.id);
-    if (!p) return;
-    this.pending.delete(m.id);
-    this.lastUsed = Date.now();
-    if (m.e) p.reject(HutchError.fromWire(m.e as WireError));
-    else p.resolve(m.r);
+    this.settle(m.id, m.e ? HutchError.fromWire(m.e as WireError) : { r: m.r });
   }
 
   private fail(err: HutchError): void {
     this.closedError ??= err;
-    for (const p of this.pending.values()) p.reject(err);
-    this.pending.clear();
+    for (const id of [...this.pending.keys()]) this.settle(id, err);
   }
 }
 

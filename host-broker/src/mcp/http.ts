@@ -1,8 +1,10 @@
 /**
  * MCP over Streamable HTTP at /mcp on the broker's own HTTP server.
  *
- * Authentication is the WebSocket API's: a bearer token names a principal (no token or a
- * wrong one: 401). Each MCP session belongs to the principal that opened it (another
+ * A request whose Origin is not allowed (any, by default) or whose Host is not one of the
+ * server's names is refused with 403 first (DNS rebinding: http-origin.ts). Authentication
+ * is the WebSocket API's: a bearer token in the Authorization header (never the query
+ * string) names a principal (no token or a wrong one: 401). Each MCP session belongs to the principal that opened it (another
  * principal's session id answers 404, like a missing one) and reaches the broker through
  * the SDK over loopback with the caller's own token, so it sees that principal's sandboxes
  * and nothing else, with the same routing and limits as any harness.
@@ -17,6 +19,7 @@ import { parseJsonBounded } from '../../../guest-agent/src/protocol/value-shape.
 import { readBody } from '../util/read-body.ts';
 import { Hutch } from '../sdk/index.ts';
 import { createMcpServer, HutchLink } from './server.ts';
+import { refusedOrigin, type McpOriginPolicy } from './http-origin.ts';
 
 export interface McpHttpLimits {
   /** Largest request body; a bigger one is refused with 413 (by Content-Length without reading it, else when the read passes it). */
@@ -60,6 +63,8 @@ export class McpHttpEndpoint {
       brokerUrl: () => string;
       log: Logger;
       limits?: Partial<McpHttpLimits>;
+      /** Origins and Host names served (http-origin.ts: ownHostNames for the server's own). */
+      origins: McpOriginPolicy;
     },
   ) {
     this.limits = { ...DEFAULT_MCP_HTTP_LIMITS, ...o.limits };
@@ -71,6 +76,12 @@ export class McpHttpEndpoint {
   }
 
   async handle(req: IncomingMessage, res: ServerResponse, principal: string | undefined, token: string | undefined): Promise<void> {
+    const refused = refusedOrigin(req, this.o.origins);
+    if (refused !== undefined) {
+      this.o.log.warn('mcp.origin_refused', { origin: req.headers['origin'], host: req.headers['host'], remote: req.socket.remoteAddress });
+      jsonRpcError(res, 403, `permission_denied: ${refused}`, { connection: 'close' });
+      return;
+    }
     if (principal === undefined || token === undefined) {
       jsonRpcError(res, 401, 'unauthorized: /mcp needs a bearer token (Authorization: Bearer <hutch token>)', { 'www-authenticate': 'Bearer' });
       return;

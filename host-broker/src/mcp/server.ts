@@ -306,9 +306,12 @@ export function createMcpServer(link: HutchLink): McpServer {
     { description: 'Sandboxes this token owns (ids to pass to the other tools).', inputSchema: {}, annotations: { readOnlyHint: true } },
     () =>
       guard(async () => {
-        const all = await (await link.hutch()).sessions();
-        return ok(all.length ? all.map((s) => `${s.session} (${s.live ? 'VM live' : 'VM released'}, ${s.calls} calls, since ${s.createdAt})`).join('\n') : 'no sandboxes', {
+        const { sessions: all, unavailable } = await (await link.hutch()).listSessions();
+        // Through a gateway, brokers that did not answer in time: their sandboxes are missing from the list.
+        const missing = unavailable?.length ? `\n(brokers not answering, their sandboxes not listed: ${unavailable.join(', ')})` : '';
+        return ok((all.length ? all.map((s) => `${s.session} (${s.live ? 'VM live' : 'VM released'}, ${s.calls} calls, since ${s.createdAt})`).join('\n') : 'no sandboxes') + missing, {
           sandboxes: all.map((s) => ({ sandbox_id: s.session, live: s.live, calls: s.calls, createdAt: s.createdAt })),
+          ...(unavailable?.length ? { unavailable_brokers: unavailable } : {}),
         });
       }),
   );

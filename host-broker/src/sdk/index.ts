@@ -19,6 +19,8 @@ import {
   CallResultSchema,
   ServerMessageSchema,
   SessionInfoSchema,
+  SessionsResultSchema,
+  type SessionsResult,
   type CallResult,
   type ServerMessage,
   type CloseResult,
@@ -28,6 +30,8 @@ import {
   type ToolName,
   type TelemetryEvent,
   TelemetryEventSchema,
+  TelemetryResultSchema,
+  type TelemetryResult,
   DownloadChunkSchema,
   DownloadResultSchema,
   DownloadStartSchema,
@@ -35,7 +39,7 @@ import {
   UploadOpenResultSchema,
 } from '../api/harness-protocol.ts';
 
-export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName, type TelemetryEvent };
+export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName, type TelemetryEvent, type TelemetryResult, type SessionsResult };
 
 const packr = new Packr({ useRecords: false });
 
@@ -52,7 +56,6 @@ export interface CreateOptions {
   memoryMiB?: number;
   /** Initial workspace: a directory on the broker's host, a tar archive, or a map of files. */
   workspace?: { dir: string } | { tar: Uint8Array } | { files: Record<string, string | Uint8Array> };
-  id?: string;
   /** The template the sandbox boots (`hutch template ls`); default: hutch's Debian image. */
   template?: string;
   /** Workspace quota in allocated bytes and entries, each at most the broker's. */
@@ -238,17 +241,22 @@ export class Hutch {
   }
 
   async sessions(): Promise<SessionInfo[]> {
-    return ((await this.request('sessions', {})) as { sessions: SessionInfo[] }).sessions;
+    return (await this.listSessions()).sessions;
+  }
+
+  /** The sessions and, through a gateway, the brokers that did not answer in time (`unavailable`: the list lacks theirs). */
+  async listSessions(): Promise<SessionsResult> {
+    return SessionsResultSchema.parse(await this.request('sessions', {}));
   }
 
   /**
    * Live telemetry: `onSample` gets one event per interval (every session, or one) with
    * each VM's state and guest sample, until `signal` aborts or `count` events arrived.
    */
-  async telemetry(o: { session?: string; intervalMs?: number; count?: number; signal?: AbortSignal; onSample: (e: TelemetryEvent) => void }): Promise<{ samples: number; cancelled: boolean }> {
+  async telemetry(o: { session?: string; intervalMs?: number; count?: number; signal?: AbortSignal; onSample: (e: TelemetryEvent) => void }): Promise<TelemetryResult> {
     const p = { ...(o.session ? { session: o.session } : {}), ...(o.intervalMs !== undefined ? { intervalMs: o.intervalMs } : {}), ...(o.count !== undefined ? { count: o.count } : {}) };
     try {
-      return (await this.request('telemetry', p, undefined, o.signal, (d) => o.onSample(TelemetryEventSchema.parse(d)))) as { samples: number; cancelled: boolean };
+      return TelemetryResultSchema.parse(await this.request('telemetry', p, undefined, o.signal, (d) => o.onSample(TelemetryEventSchema.parse(d))));
     } catch (err) {
       // Cancelling is how a subscription ends; the broker answers it like a finished one.
       if (o.signal?.aborted && err instanceof HutchError && err.code === 'cancelled') return { samples: -1, cancelled: true };

@@ -21,6 +21,14 @@ import { DEFAULT_SESSION_SIZES, sessionSize, type SessionSizes } from './session
  */
 export const DEFAULT_MAX_SESSIONS_PER_PRINCIPAL = 128;
 
+/**
+ * A new session's id: 128 random bits, so nobody can guess another principal's. A tenant
+ * never chooses one (a gateway does, with its credential, for the broker it placed on).
+ */
+export function newSessionId(): string {
+  return `s-${randomBytes(16).toString('hex')}`;
+}
+
 /** In a kept workspace's session dir: whose it was (it counts against that principal). */
 const KEPT_FILE = 'kept.json';
 
@@ -116,7 +124,7 @@ export class SessionManager {
   }
 
   async create(p: z.infer<typeof CreateParams>, owner: string = DEFAULT_PRINCIPAL): Promise<Session> {
-    const id = p.id ?? `s-${randomBytes(6).toString('hex')}`;
+    const id = p.id ?? newSessionId();
     const max = this.opts.maxSessionsPerPrincipal ?? DEFAULT_MAX_SESSIONS_PER_PRINCIPAL;
     // Creates in flight count too: each awaits its workspace source before it is listed.
     const open = [...this.owners.values()].filter((o) => o === owner).length + (this.creating.get(owner) ?? 0);
