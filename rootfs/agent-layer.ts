@@ -45,7 +45,19 @@ export const LAYER_SCRIPTS: readonly { src: string; dest: string; mode: number }
   { src: path.join(GUEST_DIR, "init.sh"), dest: "sbin/init", mode: 0o755 },
   { src: path.join(GUEST_DIR, "agent-start.sh"), dest: "agent-start.sh", mode: 0o755 },
   { src: path.join(GUEST_DIR, "build.sh"), dest: "build.sh", mode: 0o755 },
+  { src: path.join(GUEST_DIR, "git-proxy.sh"), dest: "bin/git-proxy", mode: 0o755 },
 ];
+
+/**
+ * The host's CA bundle, carried as ca-certificates.crt: tenant tools trust what the host
+ * trusts (a host behind a TLS-inspecting proxy has that proxy's CA in it; the guest's
+ * HTTPS goes out through the host). Absent on the host: Debian's bundle from the base.
+ */
+const HOST_CA_BUNDLE = process.env["HUTCH_GUEST_CA_BUNDLE"] ?? "/etc/ssl/certs/ca-certificates.crt";
+async function caBundle(baseTree: string): Promise<string | undefined> {
+  for (const f of [HOST_CA_BUNDLE, path.join(baseTree, "etc/ssl/certs/ca-certificates.crt")]) if (await exists(f)) return f;
+  return undefined;
+}
 const BUILD_CODE = ["agent-layer.ts", "ext4.ts"].map((f) => path.join(HERE, f));
 
 /** Where the layer is mounted inside a template's root (the agent's helper paths assume it). */
@@ -161,7 +173,9 @@ export async function ensureAgentLayer(opts: { force?: boolean; log?: LogFn; cac
     const helpers = await buildNativeHelpers(work);
     const busybox = await ensureStaticBusybox(log);
     const epoch = epochFromEnv();
+    const ca = await caBundle(base.tree);
     const hash = await hashInputs([
+      ...(ca ? [{ label: "ca-bundle", value: await sha256File(ca) }] : []),
       { label: "base", value: base.info.hash },
       { label: "agent", value: agent.sha256 },
       ...helpers.map((h) => ({ label: h.dest, value: h.sha256 })),
@@ -213,6 +227,7 @@ export async function ensureAgentLayer(opts: { force?: boolean; log?: LogFn; cac
                 await copyFile(f.src, path.join(stage, f.dest));
                 await chmod(path.join(stage, f.dest), f.mode);
               }
+              if (ca) await copyFile(ca, path.join(stage, "ca-certificates.crt"));
               await copyFile(agentFile, path.join(stage, "hutch-agent.mjs"));
               await chmod(path.join(stage, "hutch-agent.mjs"), 0o644);
               for (const h of helpers) {

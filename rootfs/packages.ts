@@ -21,6 +21,13 @@ export const GUEST_PACKAGES: readonly string[] = [
   "python3",
   "git",
   "make",
+  // Package managers and the network tools an agent reaches for (through the agent's proxy:
+  // README "Network"); ca-certificates so HTTPS clients have a trust store of their own.
+  "npm",
+  "python3-pip",
+  "python3-venv",
+  "curl",
+  "ca-certificates",
   // Shell and the usual tools.
   "bash",
   "coreutils",

@@ -11,55 +11,14 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { networkInterfaces, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { parseCidr, parseProxyRequest, refusalFor, startEgressProxy, type EgressProxy } from '../host-broker/src/templates/egress-proxy.ts';
+import { parseCidr, parseProxyRequest, startEgressProxy, type EgressProxy } from '../host-broker/src/templates/egress-proxy.ts';
 
-describe('refusalFor', () => {
-  const own = new Set(['192.0.2.7', '20010db8000000000000000000000007']);
-  it.each([
-    ['127.0.0.1', 'loopback'],
-    ['127.8.9.10', 'loopback'],
-    ['0.0.0.0', 'unspecified'],
-    ['169.254.169.254', 'link-local'],
-    ['100.100.100.200', 'metadata'],
-    ['fd00:ec2::254', 'metadata'],
-    ['224.0.0.1', 'multicast'],
-    ['255.255.255.255', 'broadcast'],
-    ['::1', 'loopback'],
-    ['::', 'unspecified'],
-    ['::ffff:127.0.0.1', 'loopback'],
-    ['::ffff:7f00:1', 'loopback'],
-    ['::ffff:a9fe:a9fe', 'link-local'],
-    ['fe80::1', 'link-local'],
-    ['ff02::1', 'multicast'],
-    ['192.0.2.7', 'own addresses'],
-    ['2001:db8::7', 'own addresses'],
-    ['not-an-ip', 'not an IP'],
-  ])('%s is refused (%s)', (addr, why) => {
-    expect(refusalFor(addr, own)).toMatch(new RegExp(why));
-  });
-  it.each(['151.101.2.132', '203.0.113.80', '2a04:4e42::644'])('%s may be reached', (addr) => {
-    expect(refusalFor(addr, own)).toBeUndefined();
-  });
-  // A build host's LAN is where a fleet's Redis and brokers live: closed unless allowed.
-  it.each(['10.255.255.53', '172.16.0.1', '172.31.255.254', '192.168.1.1', '100.64.0.1', '100.100.100.201', 'fd00:ec2::253', 'fc00::1', '::ffff:10.0.0.1', '::ffff:a00:1'])('%s is on a private network: refused unless allowed', (addr) => {
-    expect(refusalFor(addr, own)).toMatch(/private network.*--egress-allow/);
-    expect(refusalFor(addr, own, [parseCidr('0.0.0.0/0'), parseCidr('::/0')])).toBeUndefined();
-  });
-  it('an allowed range opens only itself, never this host, link-local, metadata or loopback', () => {
-    const lan = [parseCidr('10.1.0.0/16'), parseCidr('fd12:3456::/32')];
-    expect(refusalFor('10.1.200.3', own, lan)).toBeUndefined();
-    expect(refusalFor('fd12:3456:ffff::1', own, lan)).toBeUndefined();
-    expect(refusalFor('10.2.0.1', own, lan)).toMatch(/private/);
-    expect(refusalFor('fd12:3457::1', own, lan)).toMatch(/private/);
-    const everything = [parseCidr('0.0.0.0/0'), parseCidr('::/0')];
-    for (const a of ['127.0.0.1', '169.254.169.254', '100.100.100.200', 'fd00:ec2::254', '192.0.2.7', '::1', '::ffff:7f00:1']) expect(refusalFor(a, own, everything), a).toBeDefined();
-  });
+describe('--egress-allow ranges', () => {
   it.each(['10.0.0.0/33', '10.0.0.0/8/1', 'example.org/8', '', '10.0.0/8', '::/129', '10.0.0.0/-1', '10.0.0.0/ 8'])('parseCidr refuses %j', (c) => {
     expect(() => parseCidr(c)).toThrow(/--egress-allow/);
   });
-  it('parseCidr takes a bare address as one host and masks the rest', () => {
-    expect(parseCidr('192.168.7.9')).toMatchObject({ family: 4, bits: 32 });
-    expect(parseCidr('10.9.9.9/8').prefix).toBe(parseCidr('10.0.0.0/8').prefix);
+  it('parseCidr takes a bare address as one host', () => {
+    expect(parseCidr('192.168.7.9')).toMatchObject({ family: 'ipv4', prefix: 32 });
   });
 });
 

@@ -13,6 +13,7 @@ import { guestState } from './guest-state.ts';
 import { memoryHandlers } from './memory/handlers.ts';
 import { telemetryHandlers } from './telemetry/handlers.ts';
 import { withCallUsage } from './telemetry/call-usage.ts';
+import { GuestNetwork } from './net/tunnels.ts';
 
 export interface AgentOptions {
   /** Workspace root on this machine (/work in the guest). */
@@ -39,6 +40,8 @@ export class Agent {
   readonly files: FileTools;
   readonly sync: WorkspaceSync;
   readonly execs: ExecService;
+  /** Tunnels for the sandbox's network (net.*); its proxy port listens only in a VM (listenNetwork). */
+  readonly net: GuestNetwork;
   private readonly startedAt = Date.now();
 
   constructor(private readonly opts: AgentOptions) {
@@ -46,6 +49,7 @@ export class Agent {
     this.files = new FileTools(this.ws, opts.owner ? { owner: opts.owner } : {});
     this.sync = new WorkspaceSync(this.ws, { owner: opts.owner });
     this.execs = new ExecService(this.ws, { ...opts.exec, ...(opts.workloadCgroup ? { cgroup: opts.workloadCgroup } : {}) });
+    this.net = new GuestNetwork(opts.log);
     // Started now, so the pristine snapshot holds it waiting: a resume then forks nothing.
     if (opts.ownsMachine) startResumeHelper(opts.log);
   }
@@ -128,6 +132,7 @@ export class Agent {
         await output.flushed();
         return { bytes };
       },
+      'net.dial': this.net.dial,
       ...memoryHandlers({ workloadCgroup: this.opts.workloadCgroup, execs: this.execs, log: this.opts.log }),
       ...telemetryHandlers({ workloadCgroup: this.opts.workloadCgroup, execs: this.execs }),
     };
@@ -154,6 +159,7 @@ export class Agent {
       log: this.opts.log,
     });
     conn.on('ready', () => {
+      this.net.attach(conn);
       this.opts.log.info('agent.connection_ready');
       conn.emitEvent('ready', { pid: process.pid });
     });

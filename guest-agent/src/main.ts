@@ -7,6 +7,8 @@ import { findVirtioPort, listenUnix, listenVsock, openVirtioPort, parseListenSpe
 import { createLogger } from './log.ts';
 import { HutchError } from './protocol/errors.ts';
 import { PROTOCOL_VERSION } from './protocol/version.ts';
+import { guestNetworkEnv } from './net/tenant-env.ts';
+import { GUEST_PROXY_PORT } from './protocol/methods-net.ts';
 
 /** `--env KEY=VALUE`: a malformed one is a startup error, never silently dropped. */
 function envPair(text: string, option: string): [string, string] {
@@ -38,6 +40,7 @@ const AGENT = new Command({
     'overlay-upper': { arg: 'DIR', help: "the root overlay's upper directory (dirtiness: writes outside /work, /tmp)" },
     'workload-cgroup': { arg: 'D', help: 'cgroup v2 directory tenant commands run in' },
     env: { arg: 'KEY=VALUE', help: "extra environment for tenant commands (repeatable; a template's --env)", multiple: true, parse: envPair },
+    'proxy-port': { arg: 'N', help: `serve the sandbox network's proxy on 127.0.0.1:N (default ${GUEST_PROXY_PORT} with --guest)`, parse: int(1, 65535) },
     'log-level': { arg: 'L', help: 'debug | info | warn | error (default info; env HUTCH_LOG_LEVEL)', env: 'HUTCH_LOG_LEVEL', parse: logLevel },
   },
 });
@@ -51,6 +54,8 @@ async function main(): Promise<void> {
   if (specs.length === 0) throw new UsageError('at least one --listen is required (see --help)', '--listen');
   const uid = values['run-as']?.uid;
   const gid = values['run-as']?.gid;
+  // The sandbox network's proxy port on loopback: always in a VM, elsewhere only when asked (tests).
+  const proxyPort = values['proxy-port'] ?? (values.guest ? GUEST_PROXY_PORT : undefined);
   const home = values.home ?? (uid === undefined ? userInfo().homedir : uid === 0 ? '/root' : '/home/tenant');
   const agent = new Agent({
     root: values.root,
@@ -62,6 +67,8 @@ async function main(): Promise<void> {
         HOME: home,
         LANG: 'C.UTF-8',
         TERM: 'dumb',
+        // In a VM the network is the agent's proxy port (net/tunnels.ts); a template's --env may override.
+        ...(proxyPort !== undefined ? guestNetworkEnv(proxyPort) : {}),
         ...Object.fromEntries(values.env),
       },
       uid,
@@ -77,6 +84,8 @@ async function main(): Promise<void> {
     log,
   });
 
+  // Listening before the ready line, so the pristine snapshot holds the port open.
+  if (proxyPort !== undefined) await agent.net.listen(proxyPort);
   const listeners: Listener[] = [];
   for (const spec of specs) listeners.push(await listen(agent, spec, log));
   log.info('agent.listening', { listen: specs, root: agent.ws.root, pid: process.pid });

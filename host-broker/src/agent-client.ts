@@ -13,6 +13,10 @@ import type { InboundStream } from '../../guest-agent/src/protocol/flow-control.
 import { noopLogger, type Logger } from '../../guest-agent/src/log.ts';
 import type { z } from 'zod';
 import { deadlineFor, execDeadline, type DeadlinePolicy } from './deadlines.ts';
+import { streamDuplex } from '../../guest-agent/src/protocol/stream-duplex.ts';
+import type { Handler } from '../../guest-agent/src/protocol/connection.ts';
+import { answerRefusal } from './network/proxy-connection.ts';
+import type { SandboxNetwork } from './network/sandbox-network.ts';
 
 export interface AgentClientOptions {
   log?: Logger;
@@ -80,6 +84,8 @@ export class AgentClient {
     this.frameShape = guarded ? GUEST_FRAME_SHAPE_LIMITS : undefined;
     this.connection = new Connection(socket, {
       role: 'broker',
+      // The only requests a guest may make of the broker: connections out through the egress proxy.
+      handlers: { 'net.open': this.onNetOpen },
       log: opts.log ?? noopLogger,
       // What a guest sends is decoded on the loop every session shares.
       ...(guarded ? { frameShape: GUEST_FRAME_SHAPE_LIMITS, loopShare: GUEST_LOOP_SHARE, maxOutputBacklogBytes: OUTPUT_BACKLOG_BYTES } : {}),
@@ -331,6 +337,39 @@ export class AgentClient {
     return r.value;
   }
 
+
+  /** The network the guest's `net.open` requests are served under (its session's); unset: each is refused. */
+  network: SandboxNetwork | undefined;
+
+  private readonly onNetOpen: Handler<'net.open'> = async (p, ctx) => {
+    const tunnel = streamDuplex(ctx.inbound(p.up), ctx.outbound(p.down));
+    ctx.signal.addEventListener('abort', () => tunnel.destroy(), { once: true });
+    if (!this.network) {
+      answerRefusal(tunnel, 503, 'this sandbox is not serving a session yet');
+      return { outcome: 'refused' as const, bytesIn: 0, bytesOut: 0 };
+    }
+    const e = await this.network.serve(tunnel);
+    return { outcome: e.outcome, bytesIn: e.bytesIn, bytesOut: e.bytesOut };
+  };
+
+  /**
+   * A TCP connection to `port` on the guest's loopback, as a duplex (a harness reaching a
+   * server a tenant process runs). `done` settles when it ends, and fails with
+   * `connection_refused` when nothing listens there.
+   */
+  dial(port: number): { socket: Duplex; done: Promise<ResultOf<'net.dial'>> } {
+    const conn = this.connection;
+    const down = conn.openOutbound();
+    const up = conn.openInbound();
+    // A connection lasts as long as its ends want (a WebSocket): the heartbeat, not a total, tells a dead guest.
+    const done = conn.request('net.dial', { port, down: down.id, up: up.id }, { streams: [down.id, up.id], timeoutMs: STREAM_PROGRESS_ONLY_MS });
+    const socket = streamDuplex(up, down);
+    done.then(
+      () => socket.end(),
+      (err: unknown) => socket.destroy(err as Error),
+    );
+    return { socket, done };
+  }
 
   /** Sends bytes through a stream to the agent and back (tests and the protocol bench). */
   async echo(source: AsyncIterable<Uint8Array>, sink: (chunk: Uint8Array) => void | Promise<void>): Promise<number> {

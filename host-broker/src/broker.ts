@@ -26,6 +26,8 @@ import { validateSessionSizes, type SessionSizes } from './sessions/session-size
 import { MAX_OUTPUT_BYTES } from './sessions/session.ts';
 import { ByteBudget } from './util/byte-budget.ts';
 import { defaultSlotDisk, SlotDiskBudget, type SlotDiskOptions } from './lifecycle/slot-disk-budget.ts';
+import { DEFAULT_NETWORK, Networks, type NetworkDefaults } from './network/networks.ts';
+import { PortProxy, portTarget } from './network/port-proxy.ts';
 
 export interface BrokerOptions {
   port: number;
@@ -67,6 +69,8 @@ export interface BrokerOptions {
   cluster?: ClusterOptions;
   /** /mcp's browser origins (none by default) and Host names beyond the broker's own (mcp/http-origin.ts). */
   mcpHttp?: McpHttpAllowed;
+  /** Sandboxes' networks: the default egress, the most a sandbox may ask, limits (README "Network"). Only for backends whose guests serve it. */
+  network?: Partial<NetworkDefaults>;
 }
 
 /** Host locations an answer must not name: the data dir (as given and resolved) and the cache under HOME. */
@@ -149,6 +153,9 @@ export class Broker {
   /** The last guest sample per session, from subscriptions: what /metrics reports without asking any guest. */
   private readonly lastSamples = new Map<string, SessionTelemetry>();
   readonly cluster: ClusterMember | undefined;
+  /** Every sandbox's network (undefined: the backend's guests have none). */
+  readonly networks: Networks | undefined;
+  private readonly ports: PortProxy;
   /** Set by drain(): new work is refused with `unavailable`, calls in flight finish. */
   private draining = false;
   /** Until start() has finished (listening, registered), and again once stopping: /readyz says not ready. */
@@ -183,9 +190,22 @@ export class Broker {
     // A total given alone: one principal's share follows it, as the default's does.
     if (opts.slotDisk?.totalBytes !== undefined && opts.slotDisk.principalBytes === undefined) slotDisk.principalBytes = principals > 1 ? Math.floor(slotDisk.totalBytes / 2) : slotDisk.totalBytes;
     this.slotDisk = new SlotDiskBudget(slotDisk);
+    this.networks = opts.backend.guestNetwork
+      ? new Networks({ ...DEFAULT_NETWORK, ...opts.network }, {
+          onEvent: (e) => {
+            this.metrics.egressConnections.inc({ outcome: e.outcome });
+            if (e.outcome !== 'allowed') opts.log.info('network.refused', { session: e.session, principal: e.principal, host: e.host, port: e.port, reason: e.reason, rule: e.rule });
+          },
+          onBytes: (principal, bytesIn, bytesOut) => {
+            if (bytesIn) this.metrics.egressBytes.inc({ direction: 'in', principal }, bytesIn);
+            if (bytesOut) this.metrics.egressBytes.inc({ direction: 'out', principal }, bytesOut);
+          },
+        })
+      : undefined;
     this.sessions = new SessionManager(
       opts.dataDir,
       {
+        ...(this.networks ? { networks: this.networks } : {}),
         backend: opts.backend,
         fastPath: opts.fastPath,
         admission: this.admission,
@@ -205,6 +225,22 @@ export class Broker {
     this.e2b = new E2bEndpoint({ sessions: this.sessions, principals: this.principals, log: opts.log, send: this.sendBudget });
     this.metrics.buildInfo.set({ version: BROKER_VERSION, backend: opts.backend.name, accel: opts.backend.accel ?? 'none' }, 1);
     this.cluster = opts.cluster ? new ClusterMember(opts.cluster, this, this.principals, opts.log) : undefined;
+    this.ports = new PortProxy(
+      {
+        authenticate: (token) => this.principals.authenticate(token),
+        trafficPrincipal: (session, token) => this.e2b.trafficPrincipal(session, token),
+        open: async (id, port, principal) => {
+          if (this.draining) throw drainingError(this.cluster?.id);
+          const session = principal !== undefined ? this.sessions.get(id, principal) : this.sessions.find(id);
+          // Without a token only a port its creator made public; anything else looks the same whether or not the sandbox exists.
+          if (principal === undefined && !session?.isPublicPort(port)) throw new HutchError('unauthorized', 'a token is required (X-Hutch-Token or Authorization: Bearer) unless the port is public');
+          if (!session) throw new HutchError('not_found', `session ${id} not found`, { session: id });
+          if (!this.networks) throw new HutchError('unavailable', `the ${opts.backend.name} backend's sandboxes have no ports to reach`);
+          return session.vm.openPort(port);
+        },
+      },
+      opts.log,
+    );
   }
 
   async start(): Promise<number> {
@@ -227,7 +263,18 @@ export class Broker {
         versions: { api: HARNESS_API_VERSION, broker: BROKER_VERSION, node: process.versions.node },
       },
       handle: (op, p, ctx) => this.handle(op, p, ctx),
+      upgrade: (req, socket, head) => {
+        const t = portTarget(req);
+        if (!t) return false;
+        void this.ports.handleUpgrade(req, socket, head, t);
+        return true;
+      },
       http: (req, res, principal, authenticated) => {
+        const port = portTarget(req);
+        if (port) {
+          authenticated?.();
+          return this.ports.handleHttp(req, res, port).then(() => true);
+        }
         if (this.cluster && ClusterMember.serves(req.url)) return this.cluster.handleHttp(req, res).then(() => true);
         if (req.url === '/healthz') {
           // Liveness only: how many sessions exist is not for anonymous callers.
@@ -406,6 +453,10 @@ export class Broker {
       }
       case 'telemetry':
         return this.subscribe(opParams('telemetry', raw), ctx);
+      case 'network': {
+        const p = opParams('network', raw);
+        return this.sessions.setNetwork(p.session, p.network, who).info();
+      }
       case 'signal':
         throw new HutchError('internal', 'signal is handled by the transport');
     }

@@ -67,6 +67,8 @@ export class BrokerMetrics {
   readonly guestPsi = new Gauge({ name: 'hutch_guest_psi_memory_avg10_max', help: 'Highest guest memory pressure (PSI avg10, percent) over sampled VMs', labelNames: ['kind'], registers: [this.registry] });
   readonly guestProcRss = new Gauge({ name: 'hutch_guest_process_rss_bytes', help: 'Guest process RSS summed by command name (bounded set of names)', labelNames: ['comm'], registers: [this.registry] });
   readonly guestProcCpu = new Gauge({ name: 'hutch_guest_process_cpu_percent', help: 'Guest process CPU summed by command name (bounded set of names)', labelNames: ['comm'], registers: [this.registry] });
+  readonly egressConnections = new Counter({ name: 'hutch_egress_connections_total', help: "Sandbox connections through the egress proxy, by outcome (allowed, refused by policy or limit, failed to connect)", labelNames: ['outcome'], registers: [this.registry] });
+  readonly egressBytes = new Counter({ name: 'hutch_egress_bytes_total', help: 'Bytes through the egress proxy by direction (in: from destinations) and principal', labelNames: ['direction', 'principal'], registers: [this.registry] });
   readonly errors = new Counter({ name: 'hutch_errors_total', help: 'Failed calls by error code', labelNames: ['code'], registers: [this.registry] });
 
   constructor(opts: { processMetrics?: boolean } = {}) {

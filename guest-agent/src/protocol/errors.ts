@@ -32,6 +32,7 @@ export const ERROR_CODES = [
   'guest_unresponsive', // the guest did not answer an RPC within its deadline; its VM was torn down
   'interrupted', // the channel to the guest was reset while the call was in flight: it may or may not have run
   'stale_epoch', // a frame of an earlier connection epoch reached a newer one (the peer re-handshakes)
+  'connection_refused', // nothing listens on that port in the sandbox (a harness reaching a sandbox's port)
   'unavailable', // a feature this host or kernel cannot provide
   'unusable_rootfs', // a template's root filesystem lacks what hutch needs (context.missing names it)
   'internal',

@@ -2,6 +2,7 @@ import { z } from 'zod';
 import { ErrorCodeSchema } from './errors.ts';
 import { WORKSPACE_PATH_MAX_BYTES } from '../workspace/names.ts';
 import { MEMORY_METHODS } from './methods-memory.ts';
+import { NET_METHODS } from './methods-net.ts';
 import { CallUsageSchema, TELEMETRY_EVENTS, TELEMETRY_METHODS } from './methods-telemetry.ts';
 
 /**
@@ -339,6 +340,7 @@ export const METHODS = {
   'debug.echo': { params: DebugEchoParamsSchema, result: DebugEchoResultSchema },
   ...MEMORY_METHODS,
   ...TELEMETRY_METHODS,
+  ...NET_METHODS,
 } as const;
 
 export type MethodName = keyof typeof METHODS;

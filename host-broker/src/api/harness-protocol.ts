@@ -44,6 +44,25 @@ export const WorkspaceSourceSchema = z.union([
   z.object({ files: z.record(z.string(), bytesOrText) }),
 ]);
 
+/**
+ * A sandbox's network (README "Network"): `none`, the broker's `default` (the operator's
+ * --egress-default: out of the box the package registries the host uses), `public` (the
+ * internet, never the host, its LAN or metadata services), or rules laid over one of
+ * those: `allow` adds destinations (domains, `*.suffix`, CIDRs, each with an optional
+ * :port), `deny` removes them and wins over any allow.
+ */
+export const NetworkSpecSchema = z.union([
+  z.enum(['none', 'default', 'public']),
+  z.object({
+    base: z.enum(['none', 'default', 'public']).optional(),
+    allow: z.array(z.string().max(300)).max(1000).optional(),
+    deny: z.array(z.string().max(300)).max(1000).optional(),
+    /** Which wins where an allow and a deny rule both match: `deny` (hutch's default) or `allow` (E2B's semantics). */
+    precedence: z.enum(['deny', 'allow']).optional(),
+  }),
+]);
+export type NetworkSpec = z.infer<typeof NetworkSpecSchema>;
+
 export const CreateParams = z.object({
   cpus: z.number().int().min(1).max(64).optional(),
   memoryMiB: z.number().int().min(64).max(1024 * 1024).optional(),
@@ -54,7 +73,13 @@ export const CreateParams = z.object({
   template: z.string().min(1).max(63).optional(),
   /** Workspace quota (allocated bytes, entries); each at most the broker's (--quota-bytes, --quota-files). */
   quota: z.object({ bytes: z.number().int().positive().optional(), files: z.number().int().positive().optional() }).optional(),
+  /** Where the sandbox's traffic may go; absent: the broker's default. */
+  network: NetworkSpecSchema.optional(),
+  /** Ports of the sandbox anyone reaching the broker may use without a token (README "Ports"); default none. */
+  publicPorts: z.union([z.array(z.number().int().min(1).max(65535)).max(16), z.literal('all')]).optional(),
 });
+/** Changes a live sandbox's network: its next connections are decided by the new policy. */
+export const NetworkParams = z.object({ session: sessionId, network: NetworkSpecSchema });
 export const AttachParams = z.object({ session: sessionId });
 export const CloseParams = z.object({ session: sessionId, keepWorkspace: z.boolean().optional() });
 /** What close answers: never a host path; a kept workspace stays under the broker's data dir by session id. */
@@ -132,6 +157,7 @@ export const OPS = {
   hint: HintParams,
   sessions: SessionsParams,
   telemetry: TelemetryParams,
+  network: NetworkParams,
   upload: UploadParams,
   uploadChunk: UploadChunkParams,
   uploadCommit: UploadCommitParams,
@@ -171,6 +197,10 @@ export const SessionInfoSchema = z.object({
   live: z.boolean(),
   createdAt: z.string(),
   calls: z.number(),
+  /** The egress policy in force: mode and rules as text. */
+  network: z.object({ mode: z.enum(['none', 'allowlist', 'public']), allow: z.array(z.string()), deny: z.array(z.string()) }).optional(),
+  /** Ports reachable without a token ('all': every port, E2B's allowPublicTraffic). */
+  publicPorts: z.union([z.array(z.number()), z.literal('all')]).optional(),
 });
 export type SessionInfo = z.infer<typeof SessionInfoSchema>;
 
@@ -187,6 +217,9 @@ export const TelemetryResultSchema = z.object({ samples: z.number(), cancelled: 
 export type TelemetryResult = z.infer<typeof TelemetryResultSchema>;
 export const SignalResultSchema = z.object({ delivered: z.boolean(), unavailable: unavailableBrokers });
 export type SignalResult = z.infer<typeof SignalResultSchema>;
+/** Traffic through the egress proxy: bytes from (in) and to (out) destinations, connections made and refused. */
+export const NetworkCountersSchema = z.object({ bytesIn: z.number(), bytesOut: z.number(), connections: z.number(), refused: z.number() });
+export type NetworkCounters = z.infer<typeof NetworkCountersSchema>;
 
 export const RouteSchema = z.enum(['inprocess', 'fastpath', 'vm']);
 export type Route = z.infer<typeof RouteSchema>;
@@ -237,6 +270,8 @@ export const CallResultSchema = z.object({
   syncErrors: z.array(z.object({ path: z.string(), code: z.string(), message: z.string() })).optional(),
   /** More such entries than `syncErrors` lists (it lists the first 100): how many more. */
   syncErrorsOmitted: z.number().int().nonnegative().optional(),
+  /** The sandbox's network traffic while the call ran (absent when there was none). */
+  network: NetworkCountersSchema.optional(),
   /** The tool's own result: bash -> BashResult; file tools -> the file tool result. */
   result: z.unknown(),
 });
@@ -268,6 +303,10 @@ export const SessionTelemetrySchema = z.object({
   vm: z.enum(['none', 'live', 'reclaimed']),
   sample: TelemetrySampleSchema.optional(),
   error: z.string().optional(),
+  /** The sandbox's traffic since it was created (this broker process), and connections open now. */
+  network: NetworkCountersSchema.extend({ open: z.number() }).optional(),
+  /** What happened since the previous sample: `network.refused` for each connection the policy refused (at most 20). */
+  events: z.array(z.object({ kind: z.literal('network.refused'), atMs: z.number(), host: z.string(), port: z.number(), reason: z.string(), rule: z.string().optional() })).optional(),
 });
 export type SessionTelemetry = z.infer<typeof SessionTelemetrySchema>;
 export const TelemetryEventSchema = z.object({ atMs: z.number(), sessions: z.array(SessionTelemetrySchema) });

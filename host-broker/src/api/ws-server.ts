@@ -1,5 +1,6 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import type { AddressInfo, Socket } from 'node:net';
+import type { Duplex } from 'node:stream';
 import { StringDecoder } from 'node:string_decoder';
 import { Packr } from 'msgpackr';
 import type { z } from 'zod';
@@ -122,6 +123,8 @@ export interface WsServerOptions {
   hello: { backend: string; accel?: string; [k: string]: unknown };
   /** Plain-HTTP routes served beside the WebSocket (e.g. /metrics, /healthz); `principal` when the request carried a valid token. */
   http?: (req: IncomingMessage, res: ServerResponse, principal: string | undefined, authenticated?: () => void) => boolean | Promise<boolean>;
+  /** An upgrade that is not the harness API (a WebSocket to a sandbox's port): true when taken. Checked before the harness's. */
+  upgrade?: (req: IncomingMessage, socket: Duplex, head: Buffer) => boolean;
   limits?: Partial<WsLimits>;
   /**
    * Host directories whose paths must not reach clients (the data dir, the cache): in error
@@ -168,8 +171,16 @@ export class WsServer {
     this.http.headersTimeout = this.limits.handshakeTimeoutMs;
     this.http.requestTimeout = this.limits.handshakeTimeoutMs;
     this.http.on('connection', (socket: Socket) => this.onSocket(socket));
+    // Upgrades are routed here: a sandbox port's (opts.upgrade) first, then the harness API.
+    this.http.on('upgrade', (req: IncomingMessage, socket: Duplex, head: Buffer) => {
+      if (opts.upgrade?.(req, socket, head)) {
+        this.forget(socket as Socket);
+        return;
+      }
+      this.wss.handleUpgrade(req, socket, head, (ws) => this.wss.emit('connection', ws, req));
+    });
     this.wss = new WebSocketServer({
-      server: this.http,
+      noServer: true,
       maxPayload: this.limits.maxPayloadBytes,
       verifyClient: (info, cb) => {
         const who = opts.principals.identify(upgradeBearer(info.req), claimedPrincipal(info.req));

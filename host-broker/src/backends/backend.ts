@@ -185,6 +185,11 @@ export interface VmBackend {
   /** Can sandboxes be suspended into snapshot slots? */
   readonly canSuspend: boolean;
   /**
+   * Its guests' agents serve the sandbox network (a proxy port for tenant tools, `net.dial`
+   * into the guest): the broker then gives each session an egress policy and its ports.
+   */
+  readonly guestNetwork?: boolean;
+  /**
    * The most a VM of this size holds in /work, bytes (a tmpfs: it lives in guest RAM and
    * swap). Absent: the quota alone bounds it.
    */

@@ -87,6 +87,7 @@ export class QemuBackend implements VmBackend {
   readonly name = 'qemu';
   readonly isolation = 'a microVM per session (QEMU microvm, its own kernel), restored from a snapshot';
   readonly canSuspend = true;
+  readonly guestNetwork = true;
   readonly accel: Accel;
   private readonly runRoot: string;
   private readonly sandboxes = new Set<QemuSandbox>();

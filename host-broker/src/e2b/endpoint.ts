@@ -16,6 +16,8 @@
  */
 import { randomBytes, timingSafeEqual } from 'node:crypto';
 import { newAccessToken } from './access-token.ts';
+import { ApiError } from './api-error.ts';
+import { e2bNetwork } from './network.ts';
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import { constants, type Stats } from 'node:fs';
 import type { FileHandle } from 'node:fs/promises';
@@ -66,6 +68,10 @@ interface Sandbox {
   metadata: Record<string, string>;
   envVars: Record<string, string>;
   accessToken: string;
+  /** The header `e2b-traffic-access-token` that reaches its ports (none when its ports are public). */
+  trafficAccessToken: string | undefined;
+  /** Its network as asked, echoed in its info. */
+  networkEcho: Record<string, unknown>;
   startedAt: Date;
   endAt: Date;
   state: 'running' | 'paused';
@@ -123,15 +129,6 @@ class InputQueue implements AsyncIterable<Uint8Array> {
       } else if (this.ended) return;
       else await new Promise<void>((r) => (this.wake = r));
     }
-  }
-}
-
-class ApiError extends Error {
-  constructor(
-    readonly status: number,
-    message: string,
-  ) {
-    super(message);
   }
 }
 
@@ -281,6 +278,19 @@ export class E2bEndpoint {
       res.writeHead(204).end();
       return;
     }
+    if (action === '/network' && m === 'PUT') {
+      // E2B replaces the whole configuration; the sandbox's next connections use it.
+      const net = e2bNetwork(await this.jsonBody(req));
+      try {
+        this.o.sessions.setNetwork(sb.id, net.spec ?? 'default', principal);
+      } catch (err) {
+        if (err instanceof HutchError && err.code === 'bad_request') throw new ApiError(400, err.message);
+        throw err;
+      }
+      sb.networkEcho = { ...net.echo };
+      res.writeHead(204).end();
+      return;
+    }
     if (m !== 'POST') return apiError(res, 405, `method ${m} not allowed on ${path}`);
     const body = await this.jsonBody(req);
     switch (action) {
@@ -340,12 +350,30 @@ export class E2bEndpoint {
     // handed the default image in place of the one asked for would fail later, and less
     // clearly, when a tool its template had is missing.
     const template = templateID === 'base' ? undefined : templateID;
-    const s = await this.o.sessions.create(template ? { template } : {}, principal).catch((err: unknown) => {
+    const net = e2bNetwork(body);
+    const s = await this.o.sessions.create({ ...(template ? { template } : {}), ...(net.spec ? { network: net.spec } : {}), ...(net.publicTraffic ? { publicPorts: 'all' as const } : {}) }, principal).catch((err: unknown) => {
       if (template && err instanceof HutchError && err.code === 'unavailable') throw new ApiError(400, `template ${JSON.stringify(template)}: ${err.message}; this broker serves only 'base'`);
+      if (err instanceof HutchError && err.code === 'bad_request') throw new ApiError(400, err.message);
       throw err;
     });
     const now = new Date();
-    const sb: Sandbox = { id: s.id, principal, templateID, metadata, envVars, accessToken: newAccessToken(principal), startedAt: now, endAt: now, state: 'running', timer: undefined, procs: new Map(), watchers: new Map(), watches: 0 };
+    const sb: Sandbox = {
+      id: s.id,
+      principal,
+      templateID,
+      metadata,
+      envVars,
+      accessToken: newAccessToken(principal),
+      trafficAccessToken: net.publicTraffic ? undefined : randomBytes(24).toString('hex'),
+      networkEcho: net.echo,
+      startedAt: now,
+      endAt: now,
+      state: 'running',
+      timer: undefined,
+      procs: new Map(),
+      watchers: new Map(),
+      watches: 0,
+    };
     this.sandboxes.set(sb.id, sb);
     this.arm(sb, timeout);
     this.o.log.info('e2b.sandbox_created', { sandbox: sb.id, principal, templateID });
@@ -373,7 +401,7 @@ export class E2bEndpoint {
 
   /** What create and connect answer. */
   private created(sb: Sandbox): Record<string, unknown> {
-    return { sandboxID: sb.id, templateID: sb.templateID, clientID: 'hutch', envdVersion: ENVD_VERSION, envdAccessToken: sb.accessToken, domain: null };
+    return { sandboxID: sb.id, templateID: sb.templateID, clientID: 'hutch', envdVersion: ENVD_VERSION, envdAccessToken: sb.accessToken, ...(sb.trafficAccessToken ? { trafficAccessToken: sb.trafficAccessToken } : {}), domain: null };
   }
 
   private describe(sb: Sandbox): Record<string, unknown> {
@@ -390,7 +418,20 @@ export class E2bEndpoint {
       diskSizeMB: Math.floor(s.quota.limits.bytes / (1024 * 1024)),
       metadata: sb.metadata,
       envdVersion: ENVD_VERSION,
+      ...sb.networkEcho,
     };
+  }
+
+  /**
+   * The principal whose sandbox `session` is, when `token` is its E2B traffic access token
+   * (the credential E2B's port traffic carries); undefined otherwise. Constant time.
+   */
+  trafficPrincipal(session: string, token: string): string | undefined {
+    const sb = this.sandboxes.get(session);
+    if (!sb?.trafficAccessToken || !this.alive(sb)) return undefined;
+    const a = Buffer.from(token);
+    const b = Buffer.from(sb.trafficAccessToken);
+    return a.length === b.length && timingSafeEqual(a, b) ? sb.principal : undefined;
   }
 
   /** The sandbox as this principal may see it: another principal's answers exactly like a missing one. */

@@ -12,6 +12,8 @@ import { HostChangeTracker, type HostChanges } from '../sync/host-changes.ts';
 import { SerialQueue } from '../util/serial-queue.ts';
 import { SnapshotSlots } from './snapshot-slots.ts';
 import type { SlotDiskBudget } from './slot-disk-budget.ts';
+import type { SandboxNetwork } from '../network/sandbox-network.ts';
+import type { Duplex } from 'node:stream';
 
 export interface LifecycleOptions {
   policy: SandboxPolicy;
@@ -24,6 +26,8 @@ export interface LifecycleOptions {
    * guest wrote since), as the session orders those against a fast-path git run.
    */
   writing?: <T>(fn: () => Promise<T>) => Promise<T>;
+  /** The session's network: every VM it wakes serves its guest's connections under it. */
+  network?: SandboxNetwork;
 }
 
 export type { ReleaseDecision } from './release-policy.ts';
@@ -70,6 +74,8 @@ export class SandboxLifecycle {
   private idleSince: number | undefined;
   private idleTotalMs = 0;
   private idlePeriods = 0;
+  /** Connections a harness holds open to ports in the VM: the idle window does not run while any is open. */
+  private portHolds = 0;
   lastRelease: ReleaseRecord | undefined;
 
   constructor(
@@ -133,6 +139,38 @@ export class SandboxLifecycle {
         this.scheduleIdle();
       }
     });
+  }
+
+  /**
+   * A connection to `port` on the VM's loopback (a harness reaching a server a tenant
+   * started), waking the VM if it is released. The VM is held live while the connection
+   * is open, without holding the session's VM lock: calls go on beside it.
+   */
+  async openPort(port: number): Promise<{ socket: Duplex; done: Promise<unknown>; wake: WakeInfo }> {
+    const { sb, wake } = await this.lock.run(async () => {
+      if (this.closed) throw new HutchError('not_found', `session ${this.spec.session} is closed`);
+      this.cancelIdle();
+      this.noteActive();
+      const w = this.sandbox ? await this.resumeLive() : await this.wake();
+      this.portHolds++;
+      return { sb: this.sandbox as Sandbox, wake: w };
+    });
+    let released = false;
+    const release = () => {
+      if (released) return;
+      released = true;
+      this.portHolds--;
+      if (this.portHolds === 0 && this.sandbox === sb) this.scheduleIdle();
+    };
+    try {
+      const { socket, done } = sb.agent.dial(port);
+      socket.once('close', release);
+      done.finally(release).catch(() => undefined);
+      return { socket, done, wake };
+    } catch (err) {
+      release();
+      throw err;
+    }
   }
 
   /** What the VM is doing now; a reclaimed VM is not sampled (that would fault its memory back in). */
@@ -236,6 +274,7 @@ export class SandboxLifecycle {
       this.hostChanges.watch();
       const started = await this.startFromBestSlot();
       this.sandbox = started.sandbox;
+      started.sandbox.agent.network = this.opts.network;
       this.releaseMemory = releaseMem;
       this.metrics?.liveVms.inc();
       const sb = started.sandbox;
@@ -399,7 +438,7 @@ export class SandboxLifecycle {
     this.cancelIdle();
     this.idleSince = performance.now();
     const idleMs = this.opts.policy.idleMs;
-    if (!this.sandbox || this.closed || idleMs === null) return;
+    if (!this.sandbox || this.closed || idleMs === null || this.portHolds > 0) return;
     this.idleTimer = setTimeout(() => void this.release('idle').catch((err: unknown) => this.log.error('vm.release_error', { error: (err as Error).message })), idleMs);
     this.idleTimer.unref();
   }

@@ -130,6 +130,10 @@ export function createMcpServer(link: HutchLink): McpServer {
         files: z.record(z.string(), z.string()).optional().describe('Initial workspace files: relative path -> text content'),
         cpus: z.number().int().min(1).max(64).optional(),
         memory_mib: z.number().int().min(64).optional(),
+        network: z
+          .union([z.enum(['none', 'default', 'public']), z.object({ base: z.enum(['none', 'default', 'public']).optional(), allow: z.array(z.string()).optional(), deny: z.array(z.string()).optional() })])
+          .optional()
+          .describe("Where the sandbox's traffic may go: none, default (the broker's: package registries), public, or {allow, deny} rules (domains, *.suffix, CIDRs, optional :port; deny wins)"),
       },
     },
     (a) =>
@@ -140,7 +144,7 @@ export function createMcpServer(link: HutchLink): McpServer {
         const hutch = await link.hutch();
         const cpus = a.cpus ?? t.cpus;
         const memoryMiB = a.memory_mib ?? t.memoryMiB;
-        const sb = await hutch.create({ ...(cpus ? { cpus } : {}), ...(memoryMiB ? { memoryMiB } : {}), ...(a.files ? { workspace: { files: a.files } } : {}) });
+        const sb = await hutch.create({ ...(cpus ? { cpus } : {}), ...(memoryMiB ? { memoryMiB } : {}), ...(a.files ? { workspace: { files: a.files } } : {}), ...(a.network ? { network: a.network } : {}) });
         link.remember(sb);
         const s = sb.info;
         return ok(`sandbox ${s.session} created (template ${name}, backend ${s.backend}, ${s.cpus} cpu, ${s.memoryMiB} MiB); read-only commands run in the fast path, the rest in its VM`, {
@@ -149,6 +153,7 @@ export function createMcpServer(link: HutchLink): McpServer {
           backend: s.backend,
           cpus: s.cpus,
           memoryMiB: s.memoryMiB,
+          ...(s.network ? { network: s.network } : {}),
         });
       }),
   );

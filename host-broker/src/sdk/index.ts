@@ -29,6 +29,7 @@ import {
   type SessionInfo,
   type ToolName,
   type TelemetryEvent,
+  type NetworkSpec,
   TelemetryEventSchema,
   TelemetryResultSchema,
   type TelemetryResult,
@@ -39,7 +40,7 @@ import {
   UploadOpenResultSchema,
 } from '../api/harness-protocol.ts';
 
-export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName, type TelemetryEvent, type TelemetryResult, type SessionsResult };
+export { HutchError, type ErrorCode, type CallResult, type Route, type SessionInfo, type ToolName, type TelemetryEvent, type TelemetryResult, type SessionsResult, type NetworkSpec };
 
 const packr = new Packr({ useRecords: false });
 
@@ -60,6 +61,14 @@ export interface CreateOptions {
   template?: string;
   /** Workspace quota in allocated bytes and entries, each at most the broker's. */
   quota?: { bytes?: number; files?: number };
+  /**
+   * Where the sandbox's traffic may go: `none`, `default` (the broker's: out of the box the
+   * package registries its host uses), `public`, or `{ base?, allow?, deny? }` (domains,
+   * `*.suffix`, CIDRs, each with an optional `:port`; deny wins).
+   */
+  network?: NetworkSpec;
+  /** Ports anyone reaching the broker may use without a token. */
+  publicPorts?: number[];
 }
 
 export interface RunOptions {
@@ -166,6 +175,8 @@ export class Hutch {
     private readonly ws: WebSocket,
     /** @internal msgpack frames (bytes as bytes); JSON frames carry stream chunks as base64. */
     readonly binary: boolean,
+    /** @internal The broker's address and the token, for its HTTP surfaces (sandbox ports). */
+    readonly endpoint: { url: URL; token: string },
   ) {
     ws.on('message', (data: WebSocket.RawData, isBinary: boolean) => this.onMessage(data, isBinary));
     ws.on('close', (code, reason) => this.fail(new HutchError('connection_closed', `broker connection closed (${code}${reason.length ? `: ${reason.toString()}` : ''})`)));
@@ -223,7 +234,7 @@ export class Hutch {
       ws.terminate();
       throw new HutchError('unsupported_version', `the broker at ${url} speaks harness API v${hello.v} (hutch ${hello.versions?.broker ?? '?'}), this SDK v${HARNESS_API_VERSION}: use the SDK of the broker's version (npm pack in its clone)`, { broker: hello.versions?.broker, api: hello.v });
     }
-    const h = new Hutch(ws, (opts.encoding ?? 'msgpack') === 'msgpack');
+    const h = new Hutch(ws, (opts.encoding ?? 'msgpack') === 'msgpack', { url: new URL(url), token: opts.token });
     h.backend = hello.backend;
     h.accel = hello.accel;
     h.hello = hello;
@@ -347,6 +358,47 @@ export class Sandbox {
   ) {
     this.id = info.session;
   }
+
+  /**
+   * Reaching servers that processes in the sandbox listen on, through the broker with this
+   * connection's token. A request to a released sandbox wakes it.
+   */
+  readonly ports = {
+    /** The HTTP base URL of `port` (send `headers()` with each request, or use fetch()). */
+    url: (port: number, path = '/'): string => {
+      const u = new URL(this.hutch.endpoint.url);
+      u.protocol = u.protocol === 'wss:' ? 'https:' : 'http:';
+      u.pathname = `/sandboxes/${encodeURIComponent(this.id)}/ports/${port}${path.startsWith('/') ? path : `/${path}`}`;
+      u.search = '';
+      return u.toString();
+    },
+    /** The credential a request to a port needs (not forwarded to the sandbox's server). */
+    headers: (): Record<string, string> => ({ 'x-hutch-token': this.hutch.endpoint.token }),
+    /** fetch() against `port`; the path and init as for fetch. */
+    fetch: (port: number, path = '/', init: RequestInit = {}): Promise<Response> =>
+      fetch(this.ports.url(port, path), { ...init, headers: { ...Object.fromEntries(new Headers(init.headers).entries()), ...this.ports.headers() } }),
+    /** A WebSocket to a server on `port` (open when this resolves). */
+    connect: (port: number, path = '/', protocols?: string | string[]): Promise<WebSocket> => {
+      const u = new URL(this.ports.url(port, path));
+      u.protocol = u.protocol === 'https:' ? 'wss:' : 'ws:';
+      const ws = new WebSocket(u, protocols, { headers: this.ports.headers() });
+      return new Promise((resolve, reject) => {
+        ws.once('open', () => resolve(ws));
+        ws.once('unexpected-response', (_req, res) => {
+          let body = '';
+          res.on('data', (d: Buffer) => (body += d.toString()));
+          res.on('end', () => reject(new HutchError(res.statusCode === 401 ? 'unauthorized' : res.statusCode === 404 ? 'not_found' : 'connection_refused', `port ${port} of ${this.id}: HTTP ${res.statusCode}: ${body.trim()}`)));
+        });
+        ws.once('error', (err) => reject(new HutchError('unavailable', `port ${port} of ${this.id}: ${err.message}`)));
+      });
+    },
+  };
+
+  /** The sandbox's network policy: read it, or change it (the next connections use the new one). */
+  readonly network = {
+    get: async (): Promise<SessionInfo['network']> => SessionInfoSchema.parse(await this.hutch.request('attach', { session: this.id })).network,
+    set: async (network: NetworkSpec): Promise<SessionInfo['network']> => SessionInfoSchema.parse(await this.hutch.request('network', { session: this.id, network })).network,
+  };
 
   /** opencode's file tools on this sandbox's workspace; each resolves to the tool's result plus route, reason and timings. */
   readonly files = {

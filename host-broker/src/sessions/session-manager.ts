@@ -1,4 +1,4 @@
-import { chmodSync, closeSync, constants, existsSync, mkdirSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { chmodSync, closeSync, constants, existsSync, mkdirSync, openSync, readdirSync, readFileSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import { removeTreeAt, renameAt } from '../../../guest-agent/src/workspace/fd-path.ts';
 import { DEFAULT_TEMPLATE, validateTemplateName } from '../templates/store.ts';
 import { randomBytes } from 'node:crypto';
@@ -6,7 +6,7 @@ import { join } from 'node:path';
 import type { z } from 'zod';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { Logger } from '../../../guest-agent/src/log.ts';
-import type { CloseResult, CreateParams, SessionInfo } from '../api/harness-protocol.ts';
+import type { CloseResult, CreateParams, NetworkSpec, SessionInfo } from '../api/harness-protocol.ts';
 import { DEFAULT_PRINCIPAL } from '../api/principals.ts';
 import { Session, type SessionDeps, type SessionMeta } from './session.ts';
 import { populateWorkspace } from './workspace-source.ts';
@@ -151,7 +151,9 @@ export class SessionManager {
       if (!this.deps.backend.checkTemplate) throw new HutchError('unavailable', `the ${this.deps.backend.name} backend has no templates (the qemu backend boots them)`, { template });
       this.deps.backend.checkTemplate(template);
     }
-    const meta: SessionMeta = { id, ...size, ...(template ? { template } : {}), createdAt: new Date().toISOString(), quota };
+    // A malformed rule, or more egress than the operator allows, is refused before anything is made.
+    this.deps.networks?.resolve(p.network);
+    const meta: SessionMeta = { id, ...size, ...(template ? { template } : {}), createdAt: new Date().toISOString(), quota, ...(p.network !== undefined ? { network: p.network } : {}), ...(p.publicPorts === 'all' ? { publicPorts: 'all' as const } : p.publicPorts?.length ? { publicPorts: [...new Set(p.publicPorts)] } : {}) };
     const dir = join(this.root, id);
     privateDir(dir);
     mkdirSync(join(dir, 'workspace'), { recursive: true });
@@ -177,6 +179,21 @@ export class SessionManager {
     return session;
   }
 
+  /** Changes a live session's network (its next connections use it) and keeps the change across restarts. */
+  setNetwork(id: string, spec: NetworkSpec, principal?: string): Session {
+    const session = this.get(id, principal);
+    const policy = this.deps.networks?.resolve(spec);
+    if (!policy || !session.network) throw new HutchError('unavailable', 'this broker serves no network to sandboxes', { session: id });
+    session.meta.network = spec;
+    const path = join(this.root, id, 'session.json');
+    const stored: StoredMeta = { ...session.meta, owner: this.owners.get(id) ?? DEFAULT_PRINCIPAL };
+    writeFileSync(`${path}.tmp`, JSON.stringify(stored, null, 2), { mode: 0o600 });
+    renameSync(`${path}.tmp`, path);
+    session.network.setPolicy(policy);
+    this.log.info('session.network', { session: id, network: session.network.describe() });
+    return session;
+  }
+
   /**
    * A session as `principal` may see it: another principal's session answers exactly as a
    * missing one does. Without a principal (broker-internal use), any session.
@@ -185,6 +202,11 @@ export class SessionManager {
     const s = this.sessions.get(id);
     if (!s || (principal !== undefined && this.owners.get(id) !== principal)) throw new HutchError('not_found', `no session ${id}`, { session: id });
     return s;
+  }
+
+  /** A session whoever owns it (broker-internal: a public port's request carries no principal). */
+  find(id: string): Session | undefined {
+    return this.sessions.get(id);
   }
 
   ownerOf(id: string): string | undefined {

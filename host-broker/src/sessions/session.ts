@@ -6,7 +6,10 @@ import type { z } from 'zod';
 import type { CallUsage } from '../../../guest-agent/src/protocol/methods-telemetry.ts';
 import { Workspace } from '../../../guest-agent/src/workspace/confine.ts';
 import { FileTools } from '../../../guest-agent/src/workspace/file-tools.ts';
-import { type CallResult, type Route, type SessionInfo, type SessionTelemetry, type ToolName } from '../api/harness-protocol.ts';
+import { type CallResult, type NetworkCounters, type NetworkSpec, type Route, type SessionInfo, type SessionTelemetry, type ToolName } from '../api/harness-protocol.ts';
+import type { Networks } from '../network/networks.ts';
+import type { SandboxNetwork } from '../network/sandbox-network.ts';
+import type { ProxyEvent } from '../network/proxy-connection.ts';
 import { AfterRunError, type SandboxSpec, type SyncError, type VmBackend, type WakeInfo } from '../backends/backend.ts';
 import type { Admission } from '../admission.ts';
 import type { BrokerMetrics } from '../metrics.ts';
@@ -33,6 +36,10 @@ export interface SessionMeta {
   createdAt: string;
   /** The workspace quota asked at create (never above the broker's). */
   quota?: QuotaLimits;
+  /** The network asked at create or set since (absent: the broker's default). */
+  network?: NetworkSpec;
+  /** Ports reachable through the broker without a token ('all': every port). */
+  publicPorts?: number[] | 'all';
 }
 
 export interface CallSinks {
@@ -68,6 +75,8 @@ export interface SessionDeps {
   fileBytes?: ByteBudget;
   /** The data dir's disk the snapshot slots may take. */
   slotDisk?: SlotDiskBudget;
+  /** Sandboxes' networks (absent: none has any). */
+  networks?: Networks;
 }
 
 /** How long an in-process read or edit waits for room in `fileBytes` before it fails busy. */
@@ -113,6 +122,16 @@ export class Session {
   private readonly closing = new AbortController();
   private readonly log: Logger;
   private readonly gate = new WorkspaceGate();
+  /** Whether anyone may reach `port` without a token. */
+  isPublicPort(port: number): boolean {
+    const p = this.meta.publicPorts;
+    return p === 'all' || (p?.includes(port) ?? false);
+  }
+
+  /** Its egress policy and traffic; undefined on a broker that serves no network. */
+  readonly network: SandboxNetwork | undefined;
+  /** Refusals since the last telemetry sample (at most MAX_REFUSALS_KEPT). */
+  private refusals: Array<ProxyEvent & { atMs: number }> = [];
 
   constructor(
     readonly meta: SessionMeta,
@@ -135,11 +154,27 @@ export class Session {
     // A pull the broker was killed in the middle of is finished (committed) or dropped (not) before anything reads the workspace.
     const recovered = recoverPullJournal(workspaceDir, stateDir);
     if (recovered.replayed || recovered.discarded) this.log.warn('sync.pull_recovered', { ...recovered, errors: recovered.errors.slice(0, 5) });
-    this.vm = new SandboxLifecycle(this.spec(), deps.backend, deps.admission, deps.metrics, this.log, { policy: deps.policy, ...(deps.slotDisk ? { slotDisk: deps.slotDisk } : {}), writing: (fn) => this.writing(fn) });
+    this.network = this.makeNetwork();
+    this.network?.on('refused', (e: ProxyEvent) => {
+      if (this.refusals.length < MAX_REFUSALS_KEPT) this.refusals.push({ ...e, atMs: Date.now() });
+    });
+    this.vm = new SandboxLifecycle(this.spec(), deps.backend, deps.admission, deps.metrics, this.log, { policy: deps.policy, ...(deps.slotDisk ? { slotDisk: deps.slotDisk } : {}), writing: (fn) => this.writing(fn), ...(this.network ? { network: this.network } : {}) });
   }
 
   get id(): string {
     return this.meta.id;
+  }
+
+  /** The network its metadata asks for; one the broker no longer allows (an operator lowered --egress-max) falls back to none, said in the log. */
+  private makeNetwork(): SandboxNetwork | undefined {
+    const n = this.deps.networks;
+    if (!n) return undefined;
+    try {
+      return n.forSession(this.meta.id, this.owner ?? 'default', this.meta.network);
+    } catch (err) {
+      this.log.warn('session.network_refused', { error: (err as Error).message, fallback: 'none' });
+      return n.forSession(this.meta.id, this.owner ?? 'default', 'none');
+    }
   }
 
   info(): SessionInfo {
@@ -152,6 +187,8 @@ export class Session {
       live: this.vm.live,
       createdAt: this.meta.createdAt,
       calls: this.calls,
+      ...(this.network ? { network: this.network.describe() } : {}),
+      ...(this.meta.publicPorts === 'all' || this.meta.publicPorts?.length ? { publicPorts: this.meta.publicPorts } : {}),
     };
   }
 
@@ -165,6 +202,7 @@ export class Session {
       // A close() cancels the call in flight: nothing a tenant runs holds a closing session.
       const signal = sinks.signal ? AbortSignal.any([sinks.signal, this.closing.signal]) : this.closing.signal;
       const routed: { route?: Route } = {};
+      const netBefore = this.network?.snapshot();
       let r: Dispatched;
       try {
         // Cancelled while it queued (its client went away): it does not run.
@@ -195,6 +233,7 @@ export class Session {
         result: r.result,
         ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}),
         ...(r.syncErrorsOmitted ? { syncErrorsOmitted: r.syncErrorsOmitted } : {}),
+        ...networkDelta(netBefore, this.network?.snapshot()),
       };
       this.deps.metrics?.recordCall({
         tool,
@@ -218,7 +257,13 @@ export class Session {
   }
 
   async telemetry(): Promise<SessionTelemetry> {
-    return { session: this.id, ...(await this.vm.telemetry()) };
+    const events = this.refusals.splice(0).map((e) => ({ kind: 'network.refused' as const, atMs: e.atMs, host: e.host, port: e.port, reason: e.reason ?? '', ...(e.rule ? { rule: e.rule } : {}) }));
+    return {
+      session: this.id,
+      ...(await this.vm.telemetry()),
+      ...(this.network ? { network: { ...this.network.snapshot(), open: this.network.openConnections } } : {}),
+      ...(events.length ? { events } : {}),
+    };
   }
 
   /** A harness hint: a tool call is coming (start waking), or the agent went quiet (release now). */
@@ -391,7 +436,9 @@ export class Session {
           );
         }
       } else {
-        const out = await this.vm.vmCall((sb, changes) => sb.exec(sinks.stdin ? { ...bounded, stdin: sinks.stdin } : bounded, changes));
+        // The guest's package managers use the host's registries (a mirror the host is set up with); the call's own env wins.
+        const vmReq = this.deps.networks ? { ...bounded, env: { ...this.deps.networks.guestEnv, ...bounded.env } } : bounded;
+        const out = await this.vm.vmCall((sb, changes) => sb.exec(sinks.stdin ? { ...vmReq, stdin: sinks.stdin } : vmReq, changes));
         r = out.value;
         wake = out.wake;
         queuedMs = out.queuedMs;
@@ -475,6 +522,16 @@ class OutputCollector {
   text(): string {
     return Buffer.concat(this.parts).toString('utf8');
   }
+}
+
+/** Refusals a session keeps for its next telemetry sample: a tenant retrying in a loop must not grow it. */
+const MAX_REFUSALS_KEPT = 20;
+
+/** A call's share of the session's traffic (absent when there was none). */
+function networkDelta(before: NetworkCounters | undefined, after: NetworkCounters | undefined): { network?: NetworkCounters } {
+  if (!before || !after) return {};
+  const d = { bytesIn: after.bytesIn - before.bytesIn, bytesOut: after.bytesOut - before.bytesOut, connections: after.connections - before.connections, refused: after.refused - before.refused };
+  return d.bytesIn || d.bytesOut || d.connections || d.refused ? { network: d } : {};
 }
 
 function round(n: number): number {
