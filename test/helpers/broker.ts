@@ -57,6 +57,8 @@ export async function startBroker(
     log?: Logger;
     /** /mcp's allowed browser origins and extra Host names. */
     mcpHttp?: BrokerOptions['mcpHttp'];
+    /** Sandbox networks (qemu): default egress, limits. */
+    network?: BrokerOptions['network'];
   } = {},
 ): Promise<TestBroker> {
   const dataDir = o.dataDir ?? mkdtempSync(join(tmpdir(), 'hutch-broker-test-'));
@@ -85,6 +87,7 @@ export async function startBroker(
     ...(o.maxSessionsPerPrincipal !== undefined ? { maxSessionsPerPrincipal: o.maxSessionsPerPrincipal } : {}),
     ...(o.slotDisk ? { slotDisk: o.slotDisk } : {}),
     ...(o.mcpHttp ? { mcpHttp: o.mcpHttp } : {}),
+    ...(o.network ? { network: o.network } : {}),
   });
   const port = await broker.start();
   const url = `ws://127.0.0.1:${port}`;

@@ -111,6 +111,7 @@ export class GuestNetwork {
 /** A connection to 127.0.0.1:port (then ::1), or `connection_refused` naming the port. */
 async function connectLoopback(port: number, signal: AbortSignal): Promise<Socket> {
   let last: NodeJS.ErrnoException | undefined;
+  let refused = false;
   for (const host of ['127.0.0.1', '::1']) {
     try {
       return await new Promise<Socket>((resolve, reject) => {
@@ -120,8 +121,10 @@ async function connectLoopback(port: number, signal: AbortSignal): Promise<Socke
       });
     } catch (err) {
       last = err as NodeJS.ErrnoException;
+      refused ||= last.code === 'ECONNREFUSED';
     }
   }
-  if (last?.code === 'ECONNREFUSED' || last?.code === 'EADDRNOTAVAIL') throw new HutchError('connection_refused', `nothing listens on port ${port} in the sandbox`, { port });
+  // A guest without IPv6 answers ::1 with another error: a refusal on either address is the answer.
+  if (refused) throw new HutchError('connection_refused', `nothing listens on port ${port} in the sandbox`, { port });
   throw new HutchError('unavailable', `cannot connect to port ${port} in the sandbox: ${last?.code ?? last?.message}`, { port });
 }

@@ -130,11 +130,12 @@ export class PortProxy {
       return;
     }
     const { socket, done, forward } = conn;
-    const upstream = httpRequest({ createConnection: () => socket as never, method: req.method, path: t.path, headers: { ...forward, connection: 'close' }, agent: false });
+    const upstream = httpRequest({ createConnection: () => socket as never, method: req.method, path: t.path, headers: { ...forward, connection: 'close' } });
     // The guest refused or dropped the connection before answering.
     done.catch((err: unknown) => {
       upstream.destroy();
-      this.refuse(res, err, t);
+      if (res.headersSent) res.destroy();
+      else this.refuse(res, err, t);
     });
     upstream.on('error', () => undefined);
     upstream.on('response', (r) => {

@@ -98,6 +98,8 @@ export interface CallInfo {
   syncErrors?: NonNullable<CallResult['syncErrors']>;
   /** How many more such changes there were than `syncErrors` lists (it lists the first 100). */
   syncErrorsOmitted?: number;
+  /** The sandbox's network traffic during the call: bytes from (in) and to (out) destinations, connections made and refused. */
+  network?: NonNullable<CallResult['network']>;
 }
 
 export interface RunResult extends CallInfo {
@@ -149,7 +151,7 @@ export interface DownloadOptions {
 export type FileResult<M extends MethodName> = ResultOf<M> & CallInfo;
 
 function callInfo(r: CallResult): CallInfo {
-  return { route: r.route, reason: r.reason, addedMs: r.timing.addedMs, woke: r.woke, timing: r.timing, ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}), ...(r.syncErrorsOmitted ? { syncErrorsOmitted: r.syncErrorsOmitted } : {}) };
+  return { route: r.route, reason: r.reason, addedMs: r.timing.addedMs, woke: r.woke, timing: r.timing, ...(r.syncErrors?.length ? { syncErrors: r.syncErrors } : {}), ...(r.syncErrorsOmitted ? { syncErrorsOmitted: r.syncErrorsOmitted } : {}), ...(r.network ? { network: r.network } : {}) };
 }
 
 /** The broker's first frame. */
