@@ -154,6 +154,12 @@ export class WsServer {
   readonly limits: WsLimits;
   /** Sockets without an authenticated WebSocket yet, oldest first, with their deadline timers. */
   private readonly pending = new Map<Socket, NodeJS.Timeout>();
+  /**
+   * Every connection the server accepted, upgraded ones included: a socket handed to an
+   * upgrade handler (a sandbox port's WebSocket) is no longer the HTTP server's to close,
+   * and one its far end never closes would hold close() for ever.
+   */
+  private readonly sockets = new Set<Socket>();
   private readonly perPrincipal = new Map<string, number>();
   private readonly principalOf = new WeakMap<IncomingMessage, { principal: string; viaGateway: boolean }>();
   private connectionSeq = 0;
@@ -240,6 +246,8 @@ export class WsServer {
   }
 
   private onSocket(socket: Socket): void {
+    this.sockets.add(socket);
+    socket.once('close', () => this.sockets.delete(socket));
     if (this.pending.size >= this.limits.maxUnauthenticated) {
       // Drop the oldest: a flood of idle sockets then cannot lock out a client that
       // completes its handshake promptly, and the broker's descriptors stay bounded.
@@ -277,6 +285,7 @@ export class WsServer {
     for (const s of [...this.pending.keys()]) this.forget(s)?.destroy();
     await new Promise<void>((r) => this.wss.close(() => r()));
     this.http.closeAllConnections();
+    for (const s of this.sockets) s.destroy();
     await new Promise<void>((r) => this.http.close(() => r()));
   }
 

@@ -169,9 +169,18 @@ export class PortProxy {
     lines.push('connection: Upgrade', `upgrade: ${String(req.headers.upgrade ?? 'websocket').replace(/[\r\n]/g, ' ')}`, '', '');
     socket.write(Buffer.from(lines.join('\r\n'), 'latin1'));
     if (head.length) socket.write(head);
-    done.catch(() => client.destroy());
+    // An upgraded connection has no half-close worth keeping: once either end is done, both
+    // are (a server in the sandbox that never closes must not hold the tunnel, and with it
+    // the sandbox's VM, after its client left).
+    const teardown = () => {
+      client.destroy();
+      socket.destroy();
+    };
+    done.then(teardown, teardown);
+    client.once('end', teardown);
+    client.once('close', teardown);
+    socket.once('end', () => client.end());
     await Promise.allSettled([pipeline(client, socket), pipeline(socket, client)]);
-    client.destroy();
-    socket.destroy();
+    teardown();
   }
 }
