@@ -96,6 +96,7 @@ const VM_BENCHES: Bench[] = [
   { name: 'soak', keys: ['cycles', 'calls', 'hangs', 'lost_files', 'half_written', 'leaked_processes', 'leaked_files', 'faults_injected'], timeoutMs: 900_000 },
   { name: 'tenants', keys: ['accel', 'level', 'tenants', 'calls', 'wakes', 'errors', 'p50_added_ms', 'p99_added_ms', 'max_tenants_broker_rule'], timeoutMs: 900_000 },
   { name: 'damon', keys: ['search_previous_occupied_mib', 'search_previous_cache_mib', 'search_previous_runtime_s', 'search_tuned_occupied_mib', 'search_tuned_cache_mib', 'search_tuned_runtime_s'], timeoutMs: 900_000 },
+  { name: 'egress', keys: ['accel', 'proxy_over_host', 'download_mb_s', 'connect_added_p50_ms', 'ttfb_p50_ms', 'loop_delay_ms', 'parallel_mb_s'], timeoutMs: 900_000 },
   { name: 'wakeup-memory', keys: ['python_stock_swap_mb_read', 'python_stock_wake_ms', 'python_stock_idle_host_mib', 'python_stock_idle_rss_mib'], timeoutMs: 900_000 },
 ];
 

@@ -307,7 +307,7 @@ export class Broker {
       this.metricsPort = m.port;
     }
     this.started = true;
-    this.opts.log.info('broker.listening', { port: this.port, ...(this.metricsServer ? { metricsPort: this.metricsPort } : {}), backend: this.opts.backend.name, isolation: this.opts.backend.isolation, policy: this.policy, principals: this.principals.names, adoptedSessions: adopted });
+    this.opts.log.info('broker.listening', { port: this.port, ...(this.metricsServer ? { metricsPort: this.metricsPort } : {}), backend: this.opts.backend.name, isolation: this.opts.backend.isolation, policy: this.policy, principals: this.principals.names, adoptedSessions: adopted, ...(this.networks ? { network: { default: this.networks.defaults.mode, max: this.networks.defaults.max, allowlist: this.networks.defaultAllowlist, from: this.networks.registries.sources } } : {}) });
     return this.port;
   }
 

@@ -7,7 +7,7 @@ import type { McpHttpAllowed } from './mcp/http-origin.ts';
 import type { Logger } from '../../guest-agent/src/log.ts';
 import type { WsLimits } from './api/ws-server.ts';
 import { createBackend } from './backends/registry.ts';
-import { Broker } from './broker.ts';
+import { Broker, type BrokerOptions } from './broker.ts';
 import type { ClusterOptions } from './catalog/member.ts';
 import type { SandboxPolicy } from './policy/sandbox-policy.ts';
 import type { SessionSizes } from './sessions/session-sizes.ts';
@@ -16,7 +16,11 @@ import { createFastPath } from './tools/fastpath-factory.ts';
 /** One VM restored and warmed ahead of the next wake: about a restored idle VM's memory, for wakes at a fraction of their cold cost. */
 export const DEFAULT_STANDBY = 1;
 
+/** Sandboxes' networks: the default egress and its limits (hutch serve --egress-*). */
+export type ServeNetwork = NonNullable<BrokerOptions['network']>;
+
 export interface ServeOptions {
+  network?: ServeNetwork;
   /** /mcp's browser origins and extra Host names (--allowed-origin, --allowed-host). */
   mcpHttp?: McpHttpAllowed;
   port: number;
@@ -90,6 +94,7 @@ export async function serve(o: ServeOptions): Promise<Broker> {
     ...(o.cluster ? { cluster: o.cluster } : {}),
     ...(o.slotDisk ? { slotDisk: o.slotDisk } : {}),
     ...(o.mcpHttp ? { mcpHttp: o.mcpHttp } : {}),
+    ...(o.network ? { network: o.network } : {}),
     ...(o.memoryBudgetMiB !== undefined || o.principalMemoryMiB !== undefined
       ? { admission: { ...(o.memoryBudgetMiB !== undefined ? { memoryBudgetMiB: o.memoryBudgetMiB } : {}), ...(o.principalMemoryMiB !== undefined ? { principalMemoryMiB: o.principalMemoryMiB } : {}) } }
       : {}),

@@ -13,6 +13,9 @@ import { LEVEL_NAMES, policyForLevel, type SandboxPolicy } from '../policy/sandb
 import { DEFAULT_SESSION_SIZES, parseSizeList, validateSessionSizes } from '../sessions/session-sizes.ts';
 import { defaultDataDir } from '../templates/store.ts';
 import { TOKEN_OPTIONS, tokensFrom } from './tokens.ts';
+import { EGRESS_MODES, type EgressMode } from '../network/egress-policy.ts';
+import { readAllowlistFile } from '../network/allowlist-file.ts';
+import type { ServeNetwork } from '../serve.ts';
 import { installPackagesForClone } from './host-packages.ts';
 
 const IDLE_POLICIES = ['auto', 'kill', 'snapshot', 'reclaim'] as const;
@@ -68,6 +71,11 @@ export const SERVE = new Command({
     'principal-memory-mib': { arg: 'N', help: "of that, one principal's share (default: all with one principal, half with several)", parse: int(1), group: 'limits and metrics' },
     'slot-disk-gib': { arg: 'N', help: "disk the snapshot slots may take, GiB (default: half the data dir's filesystem)", parse: int(1), group: 'limits and metrics' },
     'principal-slot-disk-gib': { arg: 'N', help: "of that, one principal's share (default: all with one principal, half with several)", parse: int(1), group: 'limits and metrics' },
+    'egress-default': { arg: 'MODE', help: `what a sandbox that asks for nothing may reach: ${EGRESS_MODES.join(' | ')} (default allowlist:\nthe package registries this host's npm, pip and apt use; README "Network")`, parse: oneOf(EGRESS_MODES), group: 'network' },
+    'egress-allowlist': { arg: 'FILE', help: 'the default allowlist instead: one rule per line (domain, *.domain, CIDR; optional :port)', parse: (t: string, o: string) => asUsage(() => readAllowlistFile(callerPath(t)), o), group: 'network' },
+    'egress-max': { arg: 'MODE', help: `the most a sandbox may ask for: ${EGRESS_MODES.join(' | ')} (default public)`, parse: oneOf(EGRESS_MODES), group: 'network' },
+    'egress-mib-s': { arg: 'N', help: "one sandbox's traffic through the proxy, MiB/s both ways together (default 32)", parse: int(1, 100_000), group: 'network' },
+    'egress-connections': { arg: 'N', help: 'connections one sandbox may hold through the proxy (default 64)', parse: int(1, 100_000), group: 'network' },
     ...CLUSTER_OPTIONS,
     ...MCP_HTTP_OPTIONS,
   },
@@ -96,6 +104,29 @@ export function slotDiskFromFlags(total: string | number | undefined, principal:
     throw new UsageError(`--principal-slot-disk-gib (${principal}) may be at most --slot-disk-gib (${total})`, '--principal-slot-disk-gib');
   }
   return { slotDisk: { ...(totalBytes !== undefined ? { totalBytes } : {}), ...(principalBytes !== undefined ? { principalBytes } : {}) } };
+}
+
+function asUsage<T>(fn: () => T, option: string): T {
+  try {
+    return fn();
+  } catch (err) {
+    throw new UsageError((err as Error).message, option);
+  }
+}
+
+/** The --egress-* options as the broker's network defaults; a default above the maximum is refused. */
+function networkFrom(v: { 'egress-default'?: EgressMode | undefined; 'egress-allowlist'?: string[] | undefined; 'egress-max'?: EgressMode | undefined; 'egress-mib-s'?: number | undefined; 'egress-connections'?: number | undefined }): { network?: ServeNetwork } {
+  const rank = (m: EgressMode) => EGRESS_MODES.indexOf(m);
+  if (v['egress-default'] && v['egress-max'] && rank(v['egress-default']) > rank(v['egress-max'])) throw new UsageError(`--egress-default ${v['egress-default']} is more than --egress-max ${v['egress-max']}`, '--egress-default');
+  const network: ServeNetwork = {
+    ...(v['egress-default'] ? { mode: v['egress-default'] } : {}),
+    ...(v['egress-allowlist'] ? { allowlist: v['egress-allowlist'] } : {}),
+    ...(v['egress-max'] ? { max: v['egress-max'] } : {}),
+    ...(v['egress-mib-s'] !== undefined || v['egress-connections'] !== undefined
+      ? { limits: { bytesPerSecond: (v['egress-mib-s'] ?? 32) * 1024 * 1024, maxConnections: v['egress-connections'] ?? 64 } }
+      : {}),
+  };
+  return Object.keys(network).length ? { network } : {};
 }
 
 export async function serveMain(args: string[]): Promise<void> {
@@ -150,6 +181,7 @@ export async function serveMain(args: string[]): Promise<void> {
     quota: { bytes: v['quota-bytes'] ?? DEFAULT_QUOTA.bytes, files: v['quota-files'] ?? DEFAULT_QUOTA.files },
     ...cluster,
     ...mcpHttpFrom(v),
+    ...networkFrom(v),
     log,
   });
   // A file's principals are never printed; a generated token must be, or nobody could connect.

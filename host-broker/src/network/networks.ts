@@ -3,11 +3,10 @@
  * gets when it asks for nothing, and the most it may ask for), the limits, and one
  * SandboxNetwork per session built from the session's own request.
  */
-import { readFileSync } from 'node:fs';
 import { HutchError } from '../../../guest-agent/src/protocol/errors.ts';
 import type { NetworkSpec } from '../api/harness-protocol.ts';
 import { ownAddresses, type RangeSet } from './addresses.ts';
-import { EGRESS_MODES, parseRules, type EgressMode, type EgressPolicy, type EgressRule } from './egress-policy.ts';
+import { parseRules, type EgressMode, type EgressPolicy, type EgressRule } from './egress-policy.ts';
 import { DEFAULT_NETWORK_LIMITS, PrincipalConnections, SandboxNetwork, type NetworkLimits } from './sandbox-network.ts';
 import { hostRegistries, type HostRegistries } from './registries.ts';
 import { GUEST_MIRROR, GUEST_SECURITY_MIRROR } from '../../../rootfs/packages.ts';
@@ -25,27 +24,6 @@ export interface NetworkDefaults {
 }
 
 const RANK: Record<EgressMode, number> = { none: 0, allowlist: 1, public: 2 };
-
-export function parseEgressMode(text: string, option: string): EgressMode {
-  if ((EGRESS_MODES as readonly string[]).includes(text)) return text as EgressMode;
-  throw new HutchError('bad_request', `${option}: expected one of ${EGRESS_MODES.join(', ')}, got ${JSON.stringify(text)}`);
-}
-
-/** Rules from an allowlist file: one per line, `#` comments and blank lines ignored. */
-export function readAllowlistFile(path: string): string[] {
-  let text: string;
-  try {
-    text = readFileSync(path, 'utf8');
-  } catch (err) {
-    throw new HutchError('bad_request', `--egress-allowlist ${path}: ${(err as NodeJS.ErrnoException).code ?? (err as Error).message}`);
-  }
-  const rules = text
-    .split('\n')
-    .map((l) => l.replace(/#.*/, '').trim())
-    .filter(Boolean);
-  parseRules(rules, `--egress-allowlist ${path}`);
-  return rules;
-}
 
 export class Networks {
   private own: RangeSet = ownAddresses();
