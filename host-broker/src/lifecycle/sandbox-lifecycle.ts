@@ -274,7 +274,7 @@ export class SandboxLifecycle {
       this.hostChanges.watch();
       const started = await this.startFromBestSlot();
       this.sandbox = started.sandbox;
-      started.sandbox.agent.network = this.opts.network;
+      if (this.opts.network) started.sandbox.agent.network = this.opts.network;
       this.releaseMemory = releaseMem;
       this.metrics?.liveVms.inc();
       const sb = started.sandbox;

@@ -62,13 +62,13 @@ export function parseAllowedHost(v: string): string {
 export const MCP_HTTP_OPTIONS = {
   'allowed-origin': {
     arg: 'O',
-    help: 'a browser origin (https://app.example.com) that may call /mcp (repeatable; default none:\na request with any Origin header is refused 403; MCP clients that are not browsers send none)',
+    help: 'a browser origin that may call /mcp (repeatable; default none: any Origin is refused 403)',
     multiple: true,
     parse: (t: string) => usage(() => parseAllowedOrigin(t), '--allowed-origin'),
   },
   'allowed-host': {
     arg: 'H',
-    help: "a name /mcp answers to besides this server's own (loopback, the listen address,\n--advertise-url's host); a request with another Host is refused 403 (repeatable)",
+    help: "a Host name /mcp answers besides its own (loopback, listen and advertised hosts; repeatable)",
     multiple: true,
     parse: (t: string) => usage(() => parseAllowedHost(t), '--allowed-host'),
   },

@@ -91,6 +91,9 @@ export function credentialOf(req: Pick<IncomingMessage, 'headers'>): { token: st
   return { token: own ?? bearer, traffic, forward };
 }
 
+/** After one end of an upgraded connection finishes, how long the other gets before both are closed. */
+const UPGRADE_CLOSE_GRACE_MS = 5_000;
+
 export class PortProxy {
   constructor(
     private readonly access: PortAccess,
@@ -172,15 +175,28 @@ export class PortProxy {
     // An upgraded connection has no half-close worth keeping: once either end is done, both
     // are (a server in the sandbox that never closes must not hold the tunnel, and with it
     // the sandbox's VM, after its client left).
-    const teardown = () => {
-      client.destroy();
-      socket.destroy();
-    };
-    done.then(teardown, teardown);
-    client.once('end', teardown);
-    client.once('close', teardown);
-    socket.once('end', () => client.end());
-    await Promise.allSettled([pipeline(client, socket), pipeline(socket, client)]);
-    teardown();
+    await new Promise<void>((resolve) => {
+      let grace: NodeJS.Timeout | undefined;
+      const teardown = () => {
+        clearTimeout(grace);
+        client.destroy();
+        socket.destroy();
+        resolve();
+      };
+      // One end finished: what it sent is flushed to the other, which gets a few seconds to finish too.
+      const ended = (other: Duplex) => () => {
+        other.end();
+        grace ??= setTimeout(teardown, UPGRADE_CLOSE_GRACE_MS);
+      };
+      client.once('end', ended(socket));
+      socket.once('end', ended(client));
+      for (const s of [client, socket]) {
+        s.once('close', teardown);
+        s.once('error', teardown);
+      }
+      done.then(teardown, teardown);
+      client.pipe(socket, { end: false });
+      socket.pipe(client, { end: false });
+    });
   }
 }
